@@ -1,0 +1,3 @@
+"""mtcfs: a multi-tier checkpoint filesystem for ML training jobs."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from mtcfs.cli.main import main
+
+main()

@@ -1,0 +1,65 @@
+"""The `mtcfs` command (DESIGN.md, "Command line")."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from mtcfs import __version__
+from mtcfs.cli.demo import demo
+from mtcfs.cli.mount import mount
+from mtcfs.cli.status import status
+from mtcfs.cli.umount import umount
+
+_LATER = {
+    "persist": "needs the durable tier (--bucket)",
+    "prefetch": "needs the peer or durable tier",
+    "steps": "needs step tracking",
+    "csi": "the CSI node plugin",
+    "controller": "the Kubernetes controller",
+}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mtcfs")
+def cli() -> None:
+    """mtcfs: a multi-tier checkpoint filesystem (RAM, peers, GCS) for ML training."""
+
+
+cli.add_command(mount)
+cli.add_command(umount)
+cli.add_command(status)
+cli.add_command(demo)
+
+
+def _not_yet(name: str, why: str) -> click.Command:
+    @click.command(name, help=f"[not yet supported: {why}]",
+                   context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def cmd(args: tuple[str, ...]) -> None:
+        click.echo(f"mtcfs: error: 'mtcfs {name}' is not yet supported by this version "
+                   f"({why})", err=True)
+        sys.exit(2)
+
+    return cmd
+
+
+for _name, _why in _LATER.items():
+    cli.add_command(_not_yet(_name, _why))
+
+
+def main() -> None:
+    # Usage errors: one line naming the cause, exit status 2 (DESIGN.md).
+    try:
+        cli.main(prog_name="mtcfs", standalone_mode=False)
+    except click.UsageError as e:
+        cmd = f" {e.ctx.info_name}" if e.ctx and e.ctx.parent else ""
+        click.echo(f"mtcfs{cmd}: error: {e.format_message()} (see --help)", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        click.echo(f"mtcfs: error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("mtcfs: aborted", err=True)
+        sys.exit(1)

@@ -1,0 +1,49 @@
+"""`mtcfs mount`: validate every option before anything is mounted, then run
+the daemon (in the foreground, or detached with --daemon)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from mtcfs.cli.common import usage_error
+from mtcfs.config import LOG_LEVELS, ConfigError, build_options
+
+
+@click.command("mount")
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--ram-dir", help="tmpfs directory for file data [default: /dev/shm/mtcfs-<hash>]")
+@click.option("--ram-size", help="RAM tier budget, e.g. 512MiB, 8GiB [default: 4GiB]")
+@click.option("--node-id", help="this node's id in the job [default: hostname]")
+@click.option("--daemon", is_flag=True, default=None,
+              help="detach; return 0 once the mount is live")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False))
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="TOML file with the same keys as the long options")
+@click.option("-o", "fuse_options", multiple=True, metavar="FUSE_OPTION",
+              help="FUSE mount option, e.g. allow_other (repeatable)")
+@click.option("--listen", metavar="HOST:PORT", help="peer RPC address [not yet supported]")
+@click.option("--peers", metavar="ADDR[,ADDR...]", help="peer addresses [not yet supported]")
+@click.option("--peers-file", metavar="FILE", help="file of peer addresses [not yet supported]")
+@click.option("--replicas", type=int, metavar="K", help="peer copies per file [not yet supported]")
+@click.option("--token-file", metavar="FILE", help="peer RPC shared secret [not yet supported]")
+@click.option("--insecure", is_flag=True, default=None,
+              help="allow peers without a token [not yet supported]")
+@click.option("--bucket", metavar="URL", help="gs://bucket[/prefix] or file:///dir "
+              "[not yet supported]")
+@click.option("--gcs-endpoint", metavar="URL", help="GCS endpoint [not yet supported]")
+@click.option("--persist", metavar="POLICY", help="on-close|step|interval:S|manual "
+              "[not yet supported]")
+@click.option("--keep-steps", type=int, metavar="N", help="[not yet supported]")
+@click.option("--fsync", metavar="LEVEL", help="local|replicas|gcs [not yet supported]")
+@click.option("--metrics-port", type=int, metavar="PORT", help="[not yet supported]")
+def mount(mountpoint: str, config_file: str | None, **cli: object) -> None:
+    """Mount mtcfs at MOUNTPOINT (stays in the foreground unless --daemon)."""
+    from mtcfs import daemon  # heavy imports only when mounting
+
+    try:
+        opts = build_options(mountpoint, cli, config_file)
+    except ConfigError as e:
+        usage_error(str(e))
+    sys.exit(daemon.run(opts))

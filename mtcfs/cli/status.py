@@ -1,0 +1,43 @@
+"""`mtcfs status`: what the daemon holds and how it is doing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mtcfs.cli.common import daemon_request
+from mtcfs.config import format_size
+
+
+@click.command("status")
+@click.argument("mountpoint", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def status(mountpoint: str, as_json: bool) -> None:
+    """Show tiers, usage and health of the mount at MOUNTPOINT."""
+    st = daemon_request(os.path.abspath(mountpoint), "status")["status"]
+    if as_json:
+        click.echo(json.dumps(st, indent=2, sort_keys=True))
+        return
+    ram = st["ram"]
+    pct = 100.0 * ram["used"] / ram["capacity"] if ram["capacity"] else 0.0
+    t = Table(title=f"mtcfs {st['mountpoint']}", show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("health", st["health"])
+    t.add_row("node", st["node_id"])
+    t.add_row("daemon", f"pid {st['pid']}, version {st['version']}, up {st['uptime']:.0f} s")
+    t.add_row("RAM tier", f"{format_size(ram['used'])} of {format_size(ram['capacity'])} "
+                          f"used ({pct:.1f}%), {format_size(ram['free'])} free")
+    t.add_row("RAM dir", ram["dir"])
+    states = ", ".join(f"{n} {s}" for s, n in sorted(st["states"].items())) or "none"
+    t.add_row("files", f"{st['files']} ({states}) in {st['directories']} directories")
+    t.add_row("open handles", str(st["open_handles"]))
+    t.add_row("traffic", f"{format_size(st['bytes_written'])} written, "
+                         f"{format_size(st['bytes_read'])} read")
+    if ram["enospc"]:
+        t.add_row("ENOSPC", f"{ram['enospc']} writes refused: the RAM tier was full")
+    Console().print(t)

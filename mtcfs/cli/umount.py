@@ -1,0 +1,62 @@
+"""`mtcfs umount`: unmount, wait for the daemon to finish, clean dead mounts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import click
+
+from mtcfs import control
+from mtcfs.cli.common import fail
+from mtcfs.config import mount_entry
+
+
+@click.command("umount")
+@click.argument("mountpoint", type=click.Path())
+@click.option("--wait", is_flag=True,
+              help="finish replication and uploads first (nothing is pending without "
+                   "peer or durable tiers)")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="seconds to wait for the daemon to exit")
+def umount(mountpoint: str, wait: bool, timeout: float) -> None:
+    """Unmount the mtcfs mount at MOUNTPOINT."""
+    mountpoint = os.path.abspath(mountpoint)
+    entry = mount_entry(mountpoint)
+    if entry is None:
+        fail(f"{mountpoint} is not mounted")
+    if not entry["fstype"].startswith("fuse"):
+        fail(f"{mountpoint} is a {entry['fstype']} mount, not mtcfs")
+    pid = None
+    try:
+        pid = control.request(mountpoint, "status", timeout=10)["status"]["pid"]
+    except control.ControlError as e:
+        if "dead mount" not in str(e):
+            fail(str(e))
+        subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True)
+        if mount_entry(mountpoint) is not None:
+            subprocess.run(["umount", "-l", mountpoint], capture_output=True)
+        click.echo(f"cleaned up the dead mount at {mountpoint}")
+        return
+    r = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if r.returncode != 0:
+        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "unmount failed"
+        fail(f"cannot unmount {mountpoint}: {why}")
+    deadline = time.monotonic() + timeout
+    while pid and time.monotonic() < deadline:
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        if pid:
+            fail(f"unmounted {mountpoint}, but daemon pid {pid} is still running")
+
+
+def _alive(pid: int) -> bool:
+    """True while the process runs (a zombie awaiting its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

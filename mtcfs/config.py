@@ -1,0 +1,237 @@
+"""Mount options: parsing, validation and the TOML config file.
+
+Every option of `mtcfs mount` can also be set in a TOML file given with
+`--config`; keys are the long option names (`ram-size` or `ram_size`).
+Command-line values win over the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+# Options that belong to later tiers: accepted by the parser so that scripts
+# written against DESIGN.md get a clear message, never silently ignored.
+NOT_YET_SUPPORTED = (
+    "listen",
+    "peers",
+    "peers_file",
+    "replicas",
+    "token_file",
+    "insecure",
+    "bucket",
+    "gcs_endpoint",
+    "persist",
+    "keep_steps",
+    "fsync",
+    "metrics_port",
+)
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """Bad user input; the CLI turns it into exit status 2 and one line on stderr."""
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `512MiB`, `8GiB`, `1.5G`, `4096` into bytes (K/M/G/T alone are binary)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(
+                f"invalid size {text!r}: use a number of bytes or a unit such as 512MiB, 8GiB"
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"invalid size {text!r}: must be greater than zero")
+    return value
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def default_ram_dir(mountpoint: str) -> str:
+    """A private tmpfs directory derived from the mountpoint, so a restarted
+    daemon for the same mountpoint finds (re-adopts) the data it had."""
+    digest = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:12]
+    return f"/dev/shm/mtcfs-{digest}"
+
+
+@dataclass
+class MountOptions:
+    mountpoint: str
+    ram_dir: str = ""
+    ram_size: int = 0
+    node_id: str = ""
+    daemon: bool = False
+    log_level: str = "info"
+    fuse_options: list[str] = field(default_factory=list)
+    # Later tiers (see NOT_YET_SUPPORTED).
+    listen: str | None = None
+    peers: str | None = None
+    peers_file: str | None = None
+    replicas: int | None = None
+    token_file: str | None = None
+    insecure: bool = False
+    bucket: str | None = None
+    gcs_endpoint: str | None = None
+    persist: str | None = None
+    keep_steps: int | None = None
+    fsync: str | None = None
+    metrics_port: int | None = None
+
+    @property
+    def control_socket(self) -> str:
+        return os.path.join(self.ram_dir, "control.sock")
+
+
+def load_toml(path: str) -> dict[str, object]:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    known = {f.name for f in fields(MountOptions)} - {"mountpoint"}
+    out: dict[str, object] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name == "o":
+            name = "fuse_options"
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown key {key!r}")
+        out[name] = value
+    return out
+
+
+def build_options(mountpoint: str, cli: dict[str, object], config_file: str | None) -> MountOptions:
+    """Merge the config file and the command line (command line wins), then validate."""
+    values: dict[str, object] = load_toml(config_file) if config_file else {}
+    for key, value in cli.items():
+        if value is not None and value != () and value is not False:
+            values[key] = value
+    if isinstance(values.get("fuse_options"), tuple | str):
+        fo = values["fuse_options"]
+        values["fuse_options"] = [fo] if isinstance(fo, str) else list(fo)
+    opts = MountOptions(mountpoint=os.path.abspath(mountpoint))
+    for key, value in values.items():
+        setattr(opts, key, value)
+    _validate(opts)
+    return opts
+
+
+def _validate(opts: MountOptions) -> None:
+    for name in NOT_YET_SUPPORTED:
+        value = getattr(opts, name)
+        if value not in (None, False):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} is not yet supported by this version of mtcfs")
+    opts.ram_size = parse_size(opts.ram_size or "4GiB")
+    opts.log_level = str(opts.log_level).lower()
+    if opts.log_level not in LOG_LEVELS:
+        raise ConfigError(
+            f"invalid log level {opts.log_level!r}: choose one of {', '.join(LOG_LEVELS)}"
+        )
+    opts.node_id = str(opts.node_id or socket.gethostname())
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", opts.node_id):
+        raise ConfigError(
+            f"invalid node id {opts.node_id!r}: use letters, digits, '.', '_' or '-' (max 63)"
+        )
+    opts.ram_dir = os.path.abspath(opts.ram_dir or default_ram_dir(opts.mountpoint))
+    for o in opts.fuse_options:
+        if not re.fullmatch(r"[A-Za-z0-9_]+(=[^,]*)?", o):
+            raise ConfigError(f"invalid FUSE option {o!r}")
+    check_mountpoint(opts.mountpoint)
+    check_ram_dir(opts.ram_dir, opts.mountpoint)
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    p = Path(mountpoint)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as e:
+        # ENOTCONN: a mount whose daemon died; the mount step cleans it up.
+        if e.errno == 107:
+            return
+        raise ConfigError(f"mountpoint {mountpoint}: {e.strerror}") from None
+    if not p.is_dir():
+        raise ConfigError(f"mountpoint {mountpoint} is not a directory")
+    if is_mounted(mountpoint):
+        raise ConfigError(f"mountpoint {mountpoint} is already in use by another mount")
+    del st
+
+
+def check_ram_dir(ram_dir: str, mountpoint: str) -> None:
+    real = os.path.realpath(ram_dir)
+    mp = os.path.realpath(mountpoint)
+    if real == mp or real.startswith(mp + os.sep):
+        raise ConfigError(f"RAM dir {ram_dir} must not be inside the mountpoint")
+    try:
+        os.makedirs(ram_dir, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"RAM dir {ram_dir} cannot be created: {e.strerror}") from None
+    if not os.path.isdir(ram_dir):
+        raise ConfigError(f"RAM dir {ram_dir} is not a directory")
+    probe = os.path.join(ram_dir, f".probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"RAM dir {ram_dir} is not writable: {e.strerror}") from None
+
+
+def mount_entry(mountpoint: str) -> dict[str, str] | None:
+    """The /proc/self/mountinfo entry at `mountpoint` (the topmost one), if any."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                sep = parts.index("-")
+                point = parts[4].replace("\\040", " ").replace("\\011", "\t")
+                if point == target:
+                    found = {"fstype": parts[sep + 1], "source": parts[sep + 2]}
+    except OSError:
+        return None
+    return found
+
+
+def is_mounted(mountpoint: str) -> bool:
+    return mount_entry(mountpoint) is not None

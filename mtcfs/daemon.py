@@ -1,0 +1,212 @@
+"""The mount daemon: assembles the tiers and the filesystem, serves FUSE and
+the control socket, and unmounts cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pyfuse3
+import trio
+
+from mtcfs import __version__, control
+from mtcfs.config import MountOptions, format_size, mount_entry
+from mtcfs.fs.filesystem import Filesystem
+from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
+from mtcfs.fs.namespace import Namespace
+from mtcfs.meta.store import MetaStore
+from mtcfs.tiers.ram import RamTier
+
+log = logging.getLogger("mtcfs")
+
+
+class MountFailed(RuntimeError):
+    pass
+
+
+def setup_logging(level: str, stream: Any = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def run(opts: MountOptions) -> int:
+    """Mount and serve until unmounted. With --daemon, the calling process
+    returns 0 as soon as the mount is live (or 1 with the reason)."""
+    if not opts.daemon:
+        setup_logging(opts.log_level)
+        return _serve_foreground(opts, ready_fd=None)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as r:
+            msg = r.read().decode(errors="replace").strip()
+        if msg == "OK":
+            return 0
+        if not msg:
+            os.waitpid(pid, 0)
+            msg = f"the daemon exited before the mount was live (see {opts.ram_dir}/mtcfs.log)"
+        print(f"mtcfs: error: {msg}", file=sys.stderr)
+        return 1
+    # Child: detach from the terminal, log to the RAM dir.
+    os.close(read_fd)
+    os.setsid()
+    log_path = os.path.join(opts.ram_dir, "mtcfs.log")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    setup_logging(opts.log_level)
+    code = _serve_foreground(opts, ready_fd=write_fd)
+    os._exit(code)
+
+
+def _notify(ready_fd: int | None, msg: str) -> None:
+    if ready_fd is None:
+        return
+    try:
+        os.write(ready_fd, msg.encode() + b"\n")
+        os.close(ready_fd)
+    except OSError:
+        pass
+
+
+def _lock_ram_dir(ram_dir: str) -> int:
+    fd = os.open(os.path.join(ram_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.lseek(fd, 0, 0)
+        owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise MountFailed(
+            f"RAM dir {ram_dir} is in use by another mtcfs daemon (pid {owner})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def cleanup_dead_mount(mountpoint: str) -> bool:
+    """A daemon killed with -9 leaves a mount whose every call fails with
+    ENOTCONN; detach it so the mountpoint can be used again."""
+    entry = mount_entry(mountpoint)
+    if entry is None:
+        return False
+    try:
+        os.stat(mountpoint)
+        return False
+    except OSError as e:
+        if e.errno != errno.ENOTCONN:
+            return False
+    subprocess.run(["fusermount3", "-uz", mountpoint], check=False, capture_output=True)
+    if mount_entry(mountpoint) is not None:
+        subprocess.run(["umount", "-l", mountpoint], check=False, capture_output=True)
+    return True
+
+
+def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
+    try:
+        lock_fd = _lock_ram_dir(opts.ram_dir)
+    except MountFailed as e:
+        log.error("%s", e)
+        _notify(ready_fd, str(e))
+        return 1
+    if cleanup_dead_mount(opts.mountpoint):
+        log.warning("cleaned up a dead mount left at %s by a previous daemon", opts.mountpoint)
+    try:
+        store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
+        ns = Namespace(store)
+        ram = RamTier(opts.ram_dir, opts.ram_size)
+        fs = Filesystem(ns, ram, opts.node_id, opts.control_socket)
+    except Exception as e:
+        log.exception("cannot open the RAM dir")
+        _notify(ready_fd, f"cannot open RAM dir {opts.ram_dir}: {e}")
+        return 1
+    ops = FuseOperations(fs)
+    try:
+        pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
+                                                         opts.fuse_options))
+    except Exception as e:
+        msg = f"cannot mount {opts.mountpoint}: {e}"
+        log.error("%s", msg)
+        _notify(ready_fd, msg)
+        store.close()
+        return 1
+    code = 0
+    try:
+        trio.run(_main, opts, fs, ready_fd)
+    except Exception:
+        log.exception("daemon failed")
+        code = 1
+    finally:
+        pyfuse3.close(unmount=True)
+        ram.close()
+        store.close()
+        os.close(lock_fd)
+    log.info("unmounted %s", opts.mountpoint)
+    return code
+
+
+async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> None:
+    started = time.time()
+
+    async def on_control(req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "status":
+            st = fs.status()
+            st.update(
+                mountpoint=opts.mountpoint,
+                pid=os.getpid(),
+                version=__version__,
+                uptime=round(time.time() - started, 1),
+                health="ok",
+            )
+            return {"ok": True, "status": st}
+        if op == "shutdown":
+            nursery.cancel_scope.cancel()
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown request {op!r}"}
+
+    async def watch_signals() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                if sig == signal.SIGHUP:
+                    continue
+                log.info("received %s: unmounting", signal.Signals(sig).name)
+                nursery.cancel_scope.cancel()
+                return
+
+    async def serve_fuse() -> None:
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        log.info("%s was unmounted", opts.mountpoint)
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_fuse)
+        nursery.start_soon(watch_signals)
+        await nursery.start(control.serve, opts.control_socket, on_control)
+        # The first call on the mount waits for the kernel's INIT to be served.
+        await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
+        log.info(
+            "mounted %s: node %s, RAM dir %s, RAM size %s, %d files re-adopted",
+            opts.mountpoint, opts.node_id, opts.ram_dir, format_size(opts.ram_size),
+            len(fs.ns.files()),
+        )
+        with open(os.path.join(opts.ram_dir, "daemon.json"), "w") as f:
+            json.dump({"pid": os.getpid(), "mountpoint": opts.mountpoint}, f)
+        _notify(ready_fd, "OK")

@@ -1,0 +1,572 @@
+"""The filesystem's semantics, independent of FUSE.
+
+`Filesystem` implements what the POSIX calls mean over the namespace and the
+RAM tier: permissions are checked by the kernel (`default_permissions`), so
+this layer enforces structure (types, emptiness, names), space, and the file
+lifecycle (open -> sealed with a crc32c). `mtcfs.fs.fuse_ops` adapts it to
+pyfuse3.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+import trio
+
+from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, Inode, Namespace
+from mtcfs.integrity import StreamingCrc, crc32c_of_fd, format_crc
+from mtcfs.tiers.ram import RamTier, RamTierFull
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+STATE_XATTR = b"user.mtcfs.state"
+CONTROL_XATTR = b"user.mtcfs.control"
+RESERVED_XATTR_PREFIX = b"user.mtcfs."
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+class FsError(Exception):
+    """A failed operation: the errno the caller sees."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__(err)
+        self.errno = err
+
+
+@dataclass(eq=False)
+class Handle:
+    node: Inode
+    fd: int
+    writable: bool
+    append: bool
+
+
+@dataclass
+class Stats:
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seals: int = 0
+    seal_full_passes: int = 0
+
+
+class Filesystem:
+    def __init__(self, ns: Namespace, ram: RamTier, node_id: str, control_socket: str) -> None:
+        self.ns = ns
+        self.ram = ram
+        self.node_id = node_id
+        self.control_socket = control_socket
+        self.handles: dict[int, Handle] = {}
+        self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self._next_fh = 1
+        self._crc: dict[int, StreamingCrc] = {}
+        self.stats = Stats()
+        self._recover()
+
+    # -- startup ---------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Re-adopt the RAM dir: files that were being written when the daemon
+        died are marked incomplete, never presented as good files."""
+        incomplete = 0
+        with self.ns.store.transaction():
+            for node in self.ns.files():
+                if node.state == OPEN:
+                    node.state = INCOMPLETE
+                    node.crc32c = None
+                    self.ns.persist(node)
+                    incomplete += 1
+                    log.warning(
+                        "file %s was open for writing when the daemon stopped: marked incomplete",
+                        self.ns.path_of(node),
+                    )
+                elif node.state == CLOSED and not self.ram.exists(node.ino) and node.size > 0:
+                    node.state = INCOMPLETE
+                    self.ns.persist(node)
+                    log.error("file %s lost its data in the RAM dir: marked incomplete",
+                              self.ns.path_of(node))
+        adopted, orphans = self.ram.adopt({n.ino for n in self.ns.files()})
+        if adopted or orphans or incomplete:
+            log.info("re-adopted %d files from %s (%d incomplete, %d orphaned data files removed)",
+                     adopted, self.ram.root, incomplete, orphans)
+
+    # -- lookups ---------------------------------------------------------------
+
+    def node(self, ino: int) -> Inode:
+        node = self.ns.get(ino)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        return node
+
+    def _dir(self, ino: int) -> Inode:
+        node = self.node(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL)
+
+    def lookup(self, parent_ino: int, name: bytes) -> Inode:
+        parent = self._dir(parent_ino)
+        if name == b".":
+            node = parent
+        elif name == b"..":
+            node = self.node(parent.parent)
+        else:
+            if len(name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
+            node = self.ns.child(parent, name)
+            if node is None:
+                raise FsError(errno.ENOENT)
+        node.lookups += 1
+        return node
+
+    def forget(self, ino: int, n: int) -> None:
+        node = self.ns.get(ino)
+        if node is None:
+            return
+        node.lookups = max(0, node.lookups - n)
+        self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Inode) -> None:
+        if node.linked or node.opens or node.ino == ROOT:
+            return
+        if node.is_file:
+            self.ram.remove(node.ino)
+            self._crc.pop(node.ino, None)
+        if node.lookups == 0 and self.ns.get(node.ino) is node:
+            self.ns.drop(node)
+        elif node.is_file:
+            # Keep the inode for the kernel's references, but not its record.
+            self.ns.store.delete_inode(node.ino)
+
+    # -- attributes ------------------------------------------------------------
+
+    async def setattr(self, node: Inode, *, size: int | None = None, mode: int | None = None,
+                uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
+                mtime_ns: int | None = None, ctime_ns: int | None = None) -> Inode:
+        now = time.time_ns()
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if not node.is_file:
+                raise FsError(errno.EINVAL)
+            self._truncate(node, size)
+            node.mtime_ns = now
+            if node.writers == 0 and node.dirty:
+                await self.seal(node)  # truncate(2) on a closed file: seal it again
+        if mode is not None:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
+        if mtime_ns is not None:
+            node.mtime_ns = mtime_ns
+        node.ctime_ns = ctime_ns if ctime_ns is not None else now
+        # Size and times of a file being written are written at seal time.
+        if node.state != OPEN or size is not None or mode is not None or uid is not None:
+            with self.ns.store.transaction():
+                self.ns.persist(node)
+        return node
+
+    def _truncate(self, node: Inode, size: int) -> None:
+        if size == node.size:
+            return
+        self._mark_dirty(node)
+        fd = self.ram.fd(node.ino)
+        tmp = fd is None
+        if tmp:
+            fd = self.ram.acquire(node.ino)
+        try:
+            self.ram.truncate(node.ino, fd, size, node.size)
+        except OSError as e:
+            raise FsError(e.errno or errno.EIO) from None
+        finally:
+            if tmp:
+                self.ram.release(node.ino)
+        node.size = size
+        node.wseq += 1
+        self._crc_for(node).truncate(size)
+
+    # -- directories -----------------------------------------------------------
+
+    def _new(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int,
+             target: bytes | None = None, rdev: int = 0) -> Inode:
+        parent = self._dir(parent_ino)
+        self._check_name(name)
+        if name in parent.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        if stat.S_ISGID & parent.mode:
+            gid = parent.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        node = self.ns.new_inode(parent, name, mode, uid, gid, target, rdev)
+        node.lookups += 1
+        return node
+
+    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        return self._new(parent_ino, name, stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
+
+    def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        if len(target) > 4095:
+            raise FsError(errno.ENAMETOOLONG)
+        return self._new(parent_ino, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, uid: int,
+              gid: int) -> Inode:
+        if stat.S_ISREG(mode):
+            node = self._new(parent_ino, name, mode, uid, gid)
+            self.ram.create(node.ino)
+            self._seal_now(node, crc=0)
+            return node
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            return self._new(parent_ino, name, mode, uid, gid, rdev=rdev)
+        # Device nodes make no sense in a checkpoint tree.
+        raise FsError(errno.EPERM)
+
+    def readlink(self, node: Inode) -> bytes:
+        if not stat.S_ISLNK(node.mode) or node.target is None:
+            raise FsError(errno.EINVAL)
+        return node.target
+
+    def rmdir(self, parent_ino: int, name: bytes) -> None:
+        parent = self._dir(parent_ino)
+        node = self.ns.child(parent, name)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if node.children:
+            raise FsError(errno.ENOTEMPTY)
+        self.ns.unlink(parent, name)
+        self._maybe_drop(node)
+
+    def unlink(self, parent_ino: int, name: bytes) -> None:
+        parent = self._dir(parent_ino)
+        node = self.ns.child(parent, name)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        self.ns.unlink(parent, name)
+        self._maybe_drop(node)
+
+    def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
+               flags: int) -> None:
+        old_parent = self._dir(old_parent_ino)
+        new_parent = self._dir(new_parent_ino)
+        self._check_name(new_name)
+        node = self.ns.child(old_parent, old_name)
+        if node is None:
+            raise FsError(errno.ENOENT)
+        target = self.ns.child(new_parent, new_name)
+        if flags & RENAME_EXCHANGE and flags & RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL)
+        if node.is_dir and self.ns.is_ancestor(node, new_parent):
+            raise FsError(errno.EINVAL)
+        if flags & RENAME_EXCHANGE:
+            if target is None:
+                raise FsError(errno.ENOENT)
+            if target.is_dir and self.ns.is_ancestor(target, old_parent):
+                raise FsError(errno.EINVAL)
+            if target is node:
+                return
+            self.ns.rename(old_parent, old_name, new_parent, new_name, exchange=True)
+            return
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if target is node:
+                return
+            if node.is_dir and not target.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not node.is_dir and target.is_dir:
+                raise FsError(errno.EISDIR)
+            if target.is_dir and target.children:
+                raise FsError(errno.ENOTEMPTY)
+        replaced = self.ns.rename(old_parent, old_name, new_parent, new_name)
+        if replaced is not None:
+            self._maybe_drop(replaced)
+
+    def link(self, node: Inode, new_parent_ino: int, new_name: bytes) -> Inode:
+        # One parent per inode keeps every file's path (its key on peers and
+        # in the bucket) well defined; checkpointers do not use hard links.
+        raise FsError(errno.EPERM)
+
+    def opendir(self, node: Inode) -> int:
+        """A directory handle holds a snapshot of the names, so a long listing
+        is consistent and each readdir call continues where the last stopped."""
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        assert node.children is not None
+        fh = self._next_fh
+        self._next_fh += 1
+        self.dir_handles[fh] = sorted(node.children.items())
+        return fh
+
+    def readdir(self, fh: int, start: int) -> list[tuple[int, bytes, Inode]]:
+        """Entries from index `start` on, skipping those removed since opendir."""
+        listing = self.dir_handles.get(fh)
+        if listing is None:
+            raise FsError(errno.EBADF)
+        out = []
+        for i in range(start, len(listing)):
+            name, ino = listing[i]
+            node = self.ns.get(ino)
+            if node is not None and node.linked:
+                out.append((i + 1, name, node))
+        return out
+
+    def releasedir(self, fh: int) -> None:
+        self.dir_handles.pop(fh, None)
+
+    # -- files -----------------------------------------------------------------
+
+    def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int,
+               gid: int) -> tuple[int, Inode]:
+        node = self._new(parent_ino, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        self.ram.create(node.ino)
+        node.dirty = True
+        self._crc[node.ino] = StreamingCrc()
+        return self._open_handle(node, flags), node
+
+    def open(self, node: Inode, flags: int) -> int:
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if not node.is_file:
+            raise FsError(errno.EINVAL)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if flags & os.O_TRUNC and writable:
+            self._truncate(node, 0)
+        elif node.state == INCOMPLETE:
+            log.error("refusing to open %s: it is incomplete (its writer never closed it); "
+                      "rewrite or remove it", self.ns.path_of(node))
+            raise FsError(errno.EIO)
+        return self._open_handle(node, flags)
+
+    def _open_handle(self, node: Inode, flags: int) -> int:
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        fd = self.ram.acquire(node.ino)
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND))
+        node.opens += 1
+        if writable:
+            node.writers += 1
+        return fh
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise FsError(errno.EBADF)
+        return h
+
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self.handle(fh)
+        if h.node.state == INCOMPLETE:
+            raise FsError(errno.EIO)
+        data = os.pread(h.fd, size, off)
+        self.stats.bytes_read += len(data)
+        return data
+
+    def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.handle(fh)
+        node = h.node
+        if not node.dirty:
+            self._mark_dirty(node)
+        if h.append:
+            off = node.size
+        try:
+            n = self.ram.write(node.ino, h.fd, off, buf, node.size)
+        except RamTierFull as e:
+            log.error("ENOSPC writing %s: %s (--ram-size %d)", self.ns.path_of(node), e.strerror,
+                      self.ram.capacity)
+            raise FsError(errno.ENOSPC) from None
+        except OSError as e:
+            raise FsError(e.errno or errno.EIO) from None
+        end = off + n
+        node.wseq += 1
+        if end > node.size:
+            node.size = end
+        crc = self._crc.get(node.ino)
+        if crc is not None:
+            crc.update(off, buf if n == len(buf) else buf[:n])
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+        self.stats.bytes_written += n
+        return n
+
+    def _crc_for(self, node: Inode) -> StreamingCrc:
+        crc = self._crc.get(node.ino)
+        if crc is None:
+            crc = self._crc[node.ino] = (
+                StreamingCrc(node.crc32c, node.size) if node.crc32c is not None
+                else StreamingCrc(valid=False)
+            )
+        return crc
+
+    def _mark_dirty(self, node: Inode) -> None:
+        """First change to a sealed file: record it as open, so that a crash
+        from here on leaves it marked incomplete rather than silently changed."""
+        if node.dirty:
+            return
+        self._crc_for(node)
+        node.dirty = True
+        if node.state != OPEN:
+            node.state = OPEN
+            with self.ns.store.transaction():
+                self.ns.persist(node)
+
+    async def flush(self, fh: int) -> None:
+        """close(): the kernel has written back this file's dirty pages. Seal
+        now if this is the last writer, so close() returns only once the
+        file's state and crc32c are recorded."""
+        h = self.handle(fh)
+        if h.writable and h.node.writers <= 1 and h.node.dirty:
+            await self.seal(h.node)
+
+    async def fsync(self, fh: int) -> None:
+        h = self.handle(fh)
+        if h.node.dirty:
+            with self.ns.store.transaction():
+                self.ns.persist(h.node)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        node = h.node
+        node.opens -= 1
+        if h.writable:
+            node.writers -= 1
+            if node.writers == 0 and node.dirty:
+                await self.seal(node)
+        self.ram.release(node.ino)
+        if node.opens == 0:
+            self._crc.pop(node.ino, None)
+        self._maybe_drop(node)
+
+    async def seal(self, node: Inode) -> None:
+        if not node.linked:
+            node.dirty = False
+            return
+        crc = self._crc_for(node).result(node.size)
+        seq = node.wseq
+        if crc is None:
+            # Written out of order: one pass over the data, off the event loop.
+            self.stats.seal_full_passes += 1
+            fd = self.ram.acquire(node.ino)
+            try:
+                crc = await trio.to_thread.run_sync(crc32c_of_fd, fd, node.size)
+            finally:
+                self.ram.release(node.ino)
+            if node.wseq != seq or not node.linked:
+                return  # written during the pass: the last release seals again
+            self._crc[node.ino] = StreamingCrc(crc, node.size)
+        self._seal_now(node, crc)
+
+    def _seal_now(self, node: Inode, crc: int) -> None:
+        node.crc32c = crc
+        node.state = CLOSED
+        node.version += 1
+        node.dirty = False
+        self.ram.reconcile(node.ino)
+        with self.ns.store.transaction():
+            self.ns.persist(node)
+        self.stats.seals += 1
+
+    # -- extended attributes -----------------------------------------------------
+
+    def state_of(self, node: Inode) -> dict[str, object]:
+        if node.is_dir:
+            return {"type": "directory", "path": self.ns.path_of(node)}
+        if not node.is_file:
+            return {"type": "symlink" if stat.S_ISLNK(node.mode) else "special",
+                    "path": self.ns.path_of(node)}
+        return {
+            "state": node.state,
+            "path": self.ns.path_of(node),
+            "size": node.size,
+            "crc32c": format_crc(node.crc32c) if node.state == CLOSED else None,
+            "version": node.version,
+            "holders": [self.node_id] if node.state != INCOMPLETE else [],
+            "replicas": 0,
+            "persisted": False,
+            "tiers": ["ram"] if node.state != INCOMPLETE else [],
+        }
+
+    def getxattr(self, node: Inode, name: bytes) -> bytes:
+        if name == STATE_XATTR:
+            return json.dumps(self.state_of(node)).encode()
+        if name == CONTROL_XATTR and node.ino == ROOT:
+            return self.control_socket.encode()
+        try:
+            return node.xattrs[name]
+        except KeyError:
+            raise FsError(errno.ENODATA) from None
+
+    def setxattr(self, node: Inode, name: bytes, value: bytes) -> None:
+        if name.startswith(RESERVED_XATTR_PREFIX):
+            raise FsError(errno.EPERM)
+        if not name.startswith((b"user.", b"trusted.", b"security.")):
+            raise FsError(errno.EOPNOTSUPP)
+        if len(name) > XATTR_NAME_MAX:
+            raise FsError(errno.ERANGE)
+        if len(value) > XATTR_SIZE_MAX:
+            raise FsError(errno.E2BIG)
+        self.ns.set_xattr(node, name, value)
+
+    def listxattr(self, node: Inode) -> list[bytes]:
+        # user.mtcfs.* are virtual and not listed, so `cp -a` and rsync -X
+        # do not try to copy them.
+        return list(node.xattrs)
+
+    def removexattr(self, node: Inode, name: bytes) -> None:
+        if name.startswith(RESERVED_XATTR_PREFIX):
+            raise FsError(errno.EPERM)
+        if name not in node.xattrs:
+            raise FsError(errno.ENODATA)
+        self.ns.remove_xattr(node, name)
+
+    # -- status ------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        files = self.ns.files()
+        states: dict[str, int] = {}
+        for f in files:
+            states[f.state] = states.get(f.state, 0) + 1
+        return {
+            "node_id": self.node_id,
+            "ram": {
+                "dir": self.ram.root,
+                "capacity": self.ram.capacity,
+                "used": self.ram.used,
+                "free": max(0, self.ram.capacity - self.ram.used),
+                "enospc": self.ram.enospc_count,
+            },
+            "files": len(files),
+            "directories": sum(1 for i in self.ns.inodes.values() if i.is_dir),
+            "states": states,
+            "open_handles": len(self.handles),
+            "bytes_written": self.stats.bytes_written,
+            "bytes_read": self.stats.bytes_read,
+            "seals": self.stats.seals,
+            "seal_full_passes": self.stats.seal_full_passes,
+        }

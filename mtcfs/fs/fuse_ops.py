@@ -1,0 +1,252 @@
+"""pyfuse3 adapter: translates FUSE requests to `Filesystem` calls and back.
+
+No semantics live here: only argument and attribute conversion, and mapping
+`FsError` to `FUSEError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from mtcfs.fs.filesystem import Filesystem, FsError
+from mtcfs.fs.namespace import Inode
+
+log = logging.getLogger(__name__)
+
+# The namespace is only changed through this mount for now, so the kernel may
+# cache entries and attributes for long; remote changes (peer tier) will be
+# pushed with invalidate_entry/invalidate_inode.
+ENTRY_TIMEOUT = 60.0
+ATTR_TIMEOUT = 60.0
+BLOCK = 4096
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def fuse_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            log.warning("%s failed: %s", fn.__name__, e)
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class FuseOperations(pyfuse3.Operations):
+    enable_writeback_cache = True
+    supports_dot_lookup = True
+
+    def __init__(self, fs: Filesystem) -> None:
+        super().__init__()
+        self.fs = fs
+
+    def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.ino
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_mode = node.mode
+        a.st_nlink = node.nlink
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_rdev = node.rdev
+        a.st_size = node.size
+        a.st_blksize = 1 << 20
+        a.st_blocks = (self.fs.ram.charged(node.ino) + 511) // 512 if node.is_file else 0
+        a.st_atime_ns = node.atime_ns
+        a.st_mtime_ns = node.mtime_ns
+        a.st_ctime_ns = node.ctime_ns
+        return a
+
+    # -- namespace -------------------------------------------------------------
+
+    @fuse_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self.attrs(self.fs.lookup(parent_inode, name))
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            self.fs.forget(ino, n)
+
+    @fuse_errors
+    async def getattr(self, inode, ctx=None):
+        return self.attrs(self.fs.node(inode))
+
+    @fuse_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self.fs.node(inode)
+        await self.fs.setattr(
+            node,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
+        )
+        return self.attrs(node)
+
+    @fuse_errors
+    async def readlink(self, inode, ctx):
+        return self.fs.readlink(self.fs.node(inode))
+
+    @fuse_errors
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self.attrs(self.fs.mknod(parent_inode, name, mode & ~ctx.umask, rdev, ctx.uid,
+                                        ctx.gid))
+
+    @fuse_errors
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self.attrs(self.fs.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def unlink(self, parent_inode, name, ctx):
+        self.fs.unlink(parent_inode, name)
+
+    @fuse_errors
+    async def rmdir(self, parent_inode, name, ctx):
+        self.fs.rmdir(parent_inode, name)
+
+    @fuse_errors
+    async def symlink(self, parent_inode, name, target, ctx):
+        return self.attrs(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @fuse_errors
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @fuse_errors
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self.attrs(self.fs.link(self.fs.node(inode), new_parent_inode, new_name))
+
+    @fuse_errors
+    async def opendir(self, inode, ctx):
+        return self.fs.opendir(self.fs.node(inode))
+
+    @fuse_errors
+    async def readdir(self, fh, start_id, token):
+        for next_id, name, node in self.fs.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, self.attrs(node), next_id):
+                break
+            node.lookups += 1  # readdir_reply counts as a lookup (readdirplus)
+
+    async def releasedir(self, fh):
+        self.fs.releasedir(fh)
+
+    async def fsyncdir(self, fh, datasync):
+        pass  # every namespace change is already committed to the metadata store
+
+    @fuse_errors
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        ram = self.fs.ram
+        s.f_bsize = BLOCK
+        s.f_frsize = BLOCK
+        s.f_blocks = ram.capacity // BLOCK
+        s.f_bfree = max(0, ram.capacity - ram.used) // BLOCK
+        s.f_bavail = s.f_bfree
+        s.f_files = 1 << 32
+        s.f_ffree = s.f_files - len(self.fs.ns.inodes)
+        s.f_favail = s.f_ffree
+        s.f_namemax = 255
+        return s
+
+    # -- extended attributes -----------------------------------------------------
+
+    @fuse_errors
+    async def setxattr(self, inode, name, value, ctx):
+        self.fs.setxattr(self.fs.node(inode), name, value)
+
+    @fuse_errors
+    async def getxattr(self, inode, name, ctx):
+        return self.fs.getxattr(self.fs.node(inode), name)
+
+    @fuse_errors
+    async def listxattr(self, inode, ctx):
+        return self.fs.listxattr(self.fs.node(inode))
+
+    @fuse_errors
+    async def removexattr(self, inode, name, ctx):
+        self.fs.removexattr(self.fs.node(inode), name)
+
+    # -- files -------------------------------------------------------------------
+
+    @fuse_errors
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        fh, node = self.fs.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attrs(node)
+
+    @fuse_errors
+    async def open(self, inode, flags, ctx):
+        fh = self.fs.open(self.fs.node(inode), flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        try:
+            return self.fs.read(fh, off, size)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def write(self, fh, off, buf):
+        # The hot path: no decorator, one call.
+        try:
+            return self.fs.write(fh, off, buf)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+
+    @fuse_errors
+    async def flush(self, fh):
+        await self.fs.flush(fh)
+
+    @fuse_errors
+    async def release(self, fh):
+        await self.fs.release(fh)
+
+    @fuse_errors
+    async def fsync(self, fh, datasync):
+        await self.fs.fsync(fh)
+
+    async def access(self, inode, mode, ctx):
+        return True  # default_permissions: the kernel checks mode bits
+
+
+def mount_options(fsname: str, extra: list[str]) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts.add(f"fsname={fsname}")
+    opts.add("subtype=mtcfs")
+    opts.update(extra)
+    return opts
+
+
+def raise_read_ahead(mountpoint: str, kib: int = 16384) -> None:
+    """FUSE mounts get a 128 KiB read-ahead by default; checkpoint loads read
+    big files front to back, so ask for much more. Must run off the trio
+    thread that serves the mount (it stats the mountpoint)."""
+    st = os.stat(mountpoint)
+    path = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kib))
+    except OSError as e:
+        log.info("could not raise read-ahead (%s): %s", path, e)

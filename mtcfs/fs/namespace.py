@@ -1,0 +1,259 @@
+"""The namespace: inodes and directory entries, in memory, written through to
+the metadata store.
+
+Every lookup and listing is served from memory. Each inode has exactly one
+parent (hard links are refused), so a file's path in the job's tree — the
+key that peers and the durable tier use — is always known.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import time
+from dataclasses import dataclass, field
+
+from mtcfs.meta.store import InodeRow, MetaStore
+
+log = logging.getLogger(__name__)
+
+ROOT = 1
+
+# Per-file states (DESIGN.md lifecycle). Directories and symlinks have none.
+OPEN = "open"  # being written; content not yet sealed
+CLOSED = "closed"  # sealed, crc32c known
+INCOMPLETE = "incomplete"  # was open when the daemon died: never served
+
+
+@dataclass(eq=False)
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    parent: int
+    name: bytes
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    rdev: int = 0
+    target: bytes | None = None
+    state: str = ""
+    crc32c: int | None = None
+    version: int = 0
+    children: dict[bytes, int] | None = None
+    subdirs: int = 0
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    linked: bool = True
+    # Runtime only: kernel lookup count, open handles, writers.
+    lookups: int = 0
+    opens: int = 0
+    writers: int = 0
+    dirty: bool = False
+    wseq: int = 0  # bumped by every write/truncate, to detect races with a seal
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def nlink(self) -> int:
+        if self.is_dir:
+            return 2 + self.subdirs
+        return 1 if self.linked else 0
+
+    def row(self) -> InodeRow:
+        return InodeRow(
+            self.ino,
+            self.mode,
+            self.uid,
+            self.gid,
+            self.size,
+            self.atime_ns,
+            self.mtime_ns,
+            self.ctime_ns,
+            self.rdev,
+            self.target,
+            self.state,
+            self.crc32c,
+            self.version,
+        )
+
+
+class Namespace:
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+        self.inodes: dict[int, Inode] = {}
+        self.next_ino = ROOT + 1
+        self._load()
+
+    # -- startup ---------------------------------------------------------------
+
+    def _load(self) -> None:
+        rows = {r.ino: r for r in self.store.load_inodes()}
+        if ROOT not in rows:
+            now = time.time_ns()
+            root = Inode(ROOT, stat.S_IFDIR | 0o755, 0, 0, ROOT, b"", 0, now, now, now)
+            root.children = {}
+            self.inodes[ROOT] = root
+            with self.store.transaction():
+                self.store.put_inode(root.row())
+            return
+        for r in rows.values():
+            ino = Inode(
+                r.ino, r.mode, r.uid, r.gid, 0, b"", r.size, r.atime_ns, r.mtime_ns,
+                r.ctime_ns, r.rdev, r.target, r.state, r.crc32c, r.version,
+            )
+            if ino.is_dir:
+                ino.children = {}
+            self.inodes[r.ino] = ino
+        self.inodes[ROOT].parent = ROOT
+        reached = {ROOT}
+        for parent, name, child in self.store.load_dentries():
+            p, c = self.inodes.get(parent), self.inodes.get(child)
+            if p is None or c is None or p.children is None:
+                self.store.delete_dentry(parent, name)
+                continue
+            p.children[name] = child
+            c.parent, c.name = parent, name
+            reached.add(child)
+            if c.is_dir:
+                p.subdirs += 1
+        for ino_, name, value in self.store.load_xattrs():
+            if ino_ in self.inodes:
+                self.inodes[ino_].xattrs[name] = value
+        # Inodes no entry points at were unlinked while open when the daemon died.
+        with self.store.transaction():
+            for orphan in set(self.inodes) - reached:
+                self.store.delete_inode(orphan)
+                del self.inodes[orphan]
+        self.next_ino = max(self.inodes) + 1
+
+    # -- queries ---------------------------------------------------------------
+
+    def get(self, ino: int) -> Inode | None:
+        return self.inodes.get(ino)
+
+    def child(self, parent: Inode, name: bytes) -> Inode | None:
+        assert parent.children is not None
+        ino = parent.children.get(name)
+        return None if ino is None else self.inodes[ino]
+
+    def path_of(self, node: Inode) -> str:
+        """The path relative to the mount root, e.g. 'step_100/shard_0.distcp'."""
+        parts: list[bytes] = []
+        while node.ino != ROOT:
+            parts.append(node.name)
+            node = self.inodes[node.parent]
+        return b"/".join(reversed(parts)).decode("utf-8", "surrogateescape")
+
+    def is_ancestor(self, maybe_ancestor: Inode, node: Inode) -> bool:
+        while True:
+            if node.ino == maybe_ancestor.ino:
+                return True
+            if node.ino == ROOT:
+                return False
+            node = self.inodes[node.parent]
+
+    def files(self) -> list[Inode]:
+        return [i for i in self.inodes.values() if i.is_file]
+
+    # -- changes (each written through to the store) ---------------------------
+
+    def new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
+                  target: bytes | None = None, rdev: int = 0) -> Inode:
+        now = time.time_ns()
+        node = Inode(self.next_ino, mode, uid, gid, parent.ino, name, 0, now, now, now, rdev,
+                     target)
+        self.next_ino += 1
+        if node.is_dir:
+            node.children = {}
+        elif node.is_file:
+            node.state = OPEN
+        if target is not None:
+            node.size = len(target)
+        self.inodes[node.ino] = node
+        with self.store.transaction():
+            self.store.put_inode(node.row())
+            self._attach(parent, name, node)
+            self._touch_dir(parent, now)
+        return node
+
+    def persist(self, node: Inode) -> None:
+        self.store.put_inode(node.row())
+
+    def _attach(self, parent: Inode, name: bytes, node: Inode) -> None:
+        assert parent.children is not None
+        parent.children[name] = node.ino
+        node.parent, node.name, node.linked = parent.ino, name, True
+        if node.is_dir:
+            parent.subdirs += 1
+        self.store.put_dentry(parent.ino, name, node.ino)
+
+    def _detach(self, parent: Inode, name: bytes) -> Inode:
+        assert parent.children is not None
+        node = self.inodes[parent.children.pop(name)]
+        node.linked = False
+        if node.is_dir:
+            parent.subdirs -= 1
+        self.store.delete_dentry(parent.ino, name)
+        return node
+
+    def _touch_dir(self, d: Inode, now: int) -> None:
+        d.mtime_ns = d.ctime_ns = now
+        self.store.put_inode(d.row())
+
+    def unlink(self, parent: Inode, name: bytes) -> Inode:
+        """Remove the entry; the caller drops the inode when nothing uses it."""
+        now = time.time_ns()
+        with self.store.transaction():
+            node = self._detach(parent, name)
+            node.ctime_ns = now
+            self._touch_dir(parent, now)
+        return node
+
+    def drop(self, node: Inode) -> None:
+        self.store.delete_inode(node.ino)
+        self.inodes.pop(node.ino, None)
+
+    def rename(self, old_parent: Inode, old_name: bytes, new_parent: Inode, new_name: bytes,
+               exchange: bool = False) -> Inode | None:
+        """Move an entry; returns the inode it replaced (now unlinked), if any."""
+        now = time.time_ns()
+        with self.store.transaction():
+            node = self._detach(old_parent, old_name)
+            replaced = None
+            if exchange:
+                other = self._detach(new_parent, new_name)
+                self._attach(old_parent, old_name, other)
+                other.ctime_ns = now
+                self.store.put_inode(other.row())
+            elif new_parent.children and new_name in new_parent.children:
+                replaced = self._detach(new_parent, new_name)
+                replaced.ctime_ns = now
+            self._attach(new_parent, new_name, node)
+            node.ctime_ns = now
+            self.store.put_inode(node.row())
+            self._touch_dir(old_parent, now)
+            if new_parent is not old_parent:
+                self._touch_dir(new_parent, now)
+        return replaced
+
+    def set_xattr(self, node: Inode, name: bytes, value: bytes) -> None:
+        node.xattrs[name] = value
+        node.ctime_ns = time.time_ns()
+        with self.store.transaction():
+            self.store.put_xattr(node.ino, name, value)
+            self.store.put_inode(node.row())
+
+    def remove_xattr(self, node: Inode, name: bytes) -> None:
+        del node.xattrs[name]
+        node.ctime_ns = time.time_ns()
+        with self.store.transaction():
+            self.store.delete_xattr(node.ino, name)
+            self.store.put_inode(node.row())

@@ -1,0 +1,163 @@
+"""The metadata database: namespace, attributes and per-file state.
+
+It lives in the RAM dir beside the data, so a daemon killed with -9 and
+started again re-adopts both. SQLite with `synchronous=OFF`: a committed
+transaction has reached the page cache (tmpfs), which survives the death of
+the process; fsync would only protect against losing the machine, and then
+the RAM tier is gone anyway.
+
+Only namespace changes and seals are written: write() never touches the
+database, so metadata cost does not grow with the bytes written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inodes (
+    ino INTEGER PRIMARY KEY,
+    mode INTEGER NOT NULL,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    atime_ns INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL,
+    rdev INTEGER NOT NULL DEFAULT 0,
+    target BLOB,
+    state TEXT NOT NULL,
+    crc32c INTEGER,
+    version INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS dentries (
+    parent INTEGER NOT NULL,
+    name BLOB NOT NULL,
+    ino INTEGER NOT NULL,
+    PRIMARY KEY (parent, name)
+);
+CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
+CREATE TABLE IF NOT EXISTS xattrs (
+    ino INTEGER NOT NULL,
+    name BLOB NOT NULL,
+    value BLOB NOT NULL,
+    PRIMARY KEY (ino, name)
+);
+"""
+
+_INODE_COLS = (
+    "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version"
+)
+
+
+@dataclass
+class InodeRow:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int
+    target: bytes | None
+    state: str
+    crc32c: int | None
+    version: int
+
+
+class MetaStore:
+    """Write-through persistence for the in-memory namespace (mtcfs.fs.namespace)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.db.executescript(_SCHEMA)
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if row is None:
+            self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"metadata database {path} has schema {row[0]}, this mtcfs needs {SCHEMA_VERSION}"
+            )
+        self._depth = 0
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group several changes so that a crash leaves all or none of them."""
+        if self._depth == 0:
+            self.db.execute("BEGIN")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self.db.execute("ROLLBACK")
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.db.execute("COMMIT")
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- reads (startup only) ------------------------------------------------
+
+    def load_inodes(self) -> Iterator[InodeRow]:
+        for row in self.db.execute(f"SELECT {_INODE_COLS} FROM inodes"):
+            yield InodeRow(*row)
+
+    def load_dentries(self) -> Iterator[tuple[int, bytes, int]]:
+        yield from self.db.execute("SELECT parent, name, ino FROM dentries")
+
+    def load_xattrs(self) -> Iterator[tuple[int, bytes, bytes]]:
+        yield from self.db.execute("SELECT ino, name, value FROM xattrs")
+
+    # -- writes ----------------------------------------------------------------
+
+    def put_inode(self, r: InodeRow) -> None:
+        self.db.execute(
+            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                r.ino,
+                r.mode,
+                r.uid,
+                r.gid,
+                r.size,
+                r.atime_ns,
+                r.mtime_ns,
+                r.ctime_ns,
+                r.rdev,
+                r.target,
+                r.state,
+                r.crc32c,
+                r.version,
+            ),
+        )
+
+    def delete_inode(self, ino: int) -> None:
+        with self.transaction():
+            self.db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
+            self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+
+    def put_dentry(self, parent: int, name: bytes, ino: int) -> None:
+        self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?)", (parent, name, ino))
+
+    def delete_dentry(self, parent: int, name: bytes) -> None:
+        self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self.db.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))

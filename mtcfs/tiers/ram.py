@@ -1,0 +1,145 @@
+"""The RAM tier: one tmpfs file per mtcfs file, under a byte budget.
+
+File data never passes through the Python heap beyond the one request being
+served: writes are pwrite()s into `<ram-dir>/data/<ino>`, reads are pread()s.
+Because the data is in tmpfs and not in the process, a restarted daemon finds
+it again.
+
+Space accounting is exact for what is written past the end of a file (the
+common, sequential case). Bytes written into holes are counted when the file
+is sealed or truncated, from the blocks tmpfs really allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+class RamTierFull(OSError):
+    def __init__(self, need: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, f"RAM tier full: need {need} bytes, {free} free")
+
+
+class RamTier:
+    def __init__(self, root: str, capacity: int) -> None:
+        self.root = root
+        self.data_dir = os.path.join(root, "data")
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.capacity = capacity
+        self.used = 0
+        self._charged: dict[int, int] = {}
+        self._fds: dict[int, list[int]] = {}  # ino -> [fd, refcount]
+        self.enospc_count = 0
+
+    # -- files -----------------------------------------------------------------
+
+    def path(self, ino: int) -> str:
+        return os.path.join(self.data_dir, str(ino))
+
+    def exists(self, ino: int) -> bool:
+        return os.path.exists(self.path(ino))
+
+    def create(self, ino: int) -> None:
+        fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+        self._set_charge(ino, 0)
+
+    def acquire(self, ino: int) -> int:
+        """A read/write fd for the file's data, shared by all its open handles."""
+        entry = self._fds.get(ino)
+        if entry is None:
+            fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT, 0o600)
+            entry = self._fds[ino] = [fd, 0]
+        entry[1] += 1
+        return entry[0]
+
+    def release(self, ino: int) -> None:
+        entry = self._fds.get(ino)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            os.close(entry[0])
+            del self._fds[ino]
+
+    def fd(self, ino: int) -> int | None:
+        entry = self._fds.get(ino)
+        return entry[0] if entry else None
+
+    def remove(self, ino: int) -> None:
+        entry = self._fds.pop(ino, None)
+        if entry is not None:
+            os.close(entry[0])
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(ino))
+        self._set_charge(ino, 0)
+        self._charged.pop(ino, None)
+
+    # -- data path -------------------------------------------------------------
+
+    def write(self, ino: int, fd: int, off: int, buf: bytes, cur_size: int) -> int:
+        grow = off + len(buf) - max(cur_size, off)
+        if grow > 0:
+            free = self.capacity - self.used
+            if grow > free:
+                self.enospc_count += 1
+                raise RamTierFull(grow, free)
+            self.used += grow
+            self._charged[ino] = self._charged.get(ino, 0) + grow
+        try:
+            return os.pwrite(fd, buf, off)
+        except OSError:
+            self.reconcile(ino)
+            raise
+
+    def truncate(self, ino: int, fd: int, size: int, cur_size: int) -> None:
+        # Extending makes a hole: tmpfs allocates nothing for it.
+        os.ftruncate(fd, size)
+        self.reconcile(ino)
+
+    def reconcile(self, ino: int) -> int:
+        """Charge the file for the blocks tmpfs really holds."""
+        try:
+            st = os.stat(self.path(ino))
+            actual = min(st.st_blocks * 512, max(st.st_size, 0) + 4096)
+        except FileNotFoundError:
+            actual = 0
+        self._set_charge(ino, actual)
+        return actual
+
+    def charged(self, ino: int) -> int:
+        return self._charged.get(ino, 0)
+
+    def _set_charge(self, ino: int, amount: int) -> None:
+        self.used += amount - self._charged.get(ino, 0)
+        self._charged[ino] = amount
+
+    # -- startup ---------------------------------------------------------------
+
+    def adopt(self, keep: set[int]) -> tuple[int, int]:
+        """Account for the data files of `keep`; delete the others (orphans).
+
+        Returns (files adopted, orphans removed)."""
+        adopted = removed = 0
+        for name in os.listdir(self.data_dir):
+            try:
+                ino = int(name)
+            except ValueError:
+                ino = -1
+            if ino in keep:
+                self.reconcile(ino)
+                adopted += 1
+            else:
+                os.unlink(os.path.join(self.data_dir, name))
+                removed += 1
+        return adopted, removed
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
