@@ -174,6 +174,10 @@ def _validate(opts: MountOptions) -> None:
     for o in opts.fuse_options:
         if not re.fullmatch(r"[A-Za-z0-9_]+(=[^,]*)?", o):
             raise ConfigError(f"invalid FUSE option {o!r}")
+        if o in ("suid", "dev"):
+            # The daemon does not clear setuid bits or capabilities on write
+            # (the kernel leaves that to it under HANDLE_KILLPRIV_V2).
+            raise ConfigError(f"FUSE option {o!r} is not allowed: mtcfs mounts are nosuid,nodev")
     check_mountpoint(opts.mountpoint)
     check_ram_dir(opts.ram_dir, opts.mountpoint)
 
@@ -192,8 +196,21 @@ def check_mountpoint(mountpoint: str) -> None:
     if not p.is_dir():
         raise ConfigError(f"mountpoint {mountpoint} is not a directory")
     if is_mounted(mountpoint):
+        if is_dead_mount(mountpoint):
+            return  # its daemon died; the mount step cleans it up
         raise ConfigError(f"mountpoint {mountpoint} is already in use by another mount")
     del st
+
+
+def is_dead_mount(mountpoint: str) -> bool:
+    """True for a FUSE mount whose daemon died (every request fails with
+    ENOTCONN). statfs always reaches the daemon; stat() of the mount root
+    may still be answered from the kernel's attribute cache."""
+    try:
+        os.statvfs(mountpoint)
+    except OSError as e:
+        return e.errno == 107  # ENOTCONN
+    return False
 
 
 def check_ram_dir(ram_dir: str, mountpoint: str) -> None:

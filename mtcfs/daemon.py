@@ -3,7 +3,6 @@ the control socket, and unmounts cleanly on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -18,7 +17,7 @@ import pyfuse3
 import trio
 
 from mtcfs import __version__, control
-from mtcfs.config import MountOptions, format_size, mount_entry
+from mtcfs.config import MountOptions, format_size, is_dead_mount, mount_entry
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
 from mtcfs.fs.namespace import Namespace
@@ -107,12 +106,8 @@ def cleanup_dead_mount(mountpoint: str) -> bool:
     entry = mount_entry(mountpoint)
     if entry is None:
         return False
-    try:
-        os.stat(mountpoint)
+    if not is_dead_mount(mountpoint):
         return False
-    except OSError as e:
-        if e.errno != errno.ENOTCONN:
-            return False
     subprocess.run(["fusermount3", "-uz", mountpoint], check=False, capture_output=True)
     if mount_entry(mountpoint) is not None:
         subprocess.run(["umount", "-l", mountpoint], check=False, capture_output=True)

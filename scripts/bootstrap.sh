@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEB_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv fio attr iproute2 rclone psmisc)
+DEB_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv fio attr iproute2 rclone psmisc patch)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
@@ -25,8 +25,13 @@ if [ ! -x .venv/bin/python ]; then
     echo "bootstrap: creating .venv"
     "$PY" -m venv .venv
 fi
+# pyfuse3 built against libfuse 3.17 (see the script); falls back to stock pyfuse3.
+if [ ! -f .venv/.pyfuse3-killpriv-v2 ] && [ -z "${MTCFS_STOCK_PYFUSE3:-}" ]; then
+    scripts/build_pyfuse3.sh || echo "bootstrap: warning: using stock pyfuse3 (small writes slower)" >&2
+fi
 stamp=.venv/.mtcfs-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+        || ! .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, mtcfs' 2>/dev/null; then
     echo "bootstrap: installing mtcfs and its test dependencies into .venv"
     .venv/bin/pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
     .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true

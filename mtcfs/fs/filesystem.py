@@ -71,6 +71,9 @@ class Filesystem:
         self._next_fh = 1
         self._crc: dict[int, StreamingCrc] = {}
         self.stats = Stats()
+        # True once any file carries security.capability: until then the
+        # kernel's per-write capability probe is answered without a lookup.
+        self.has_caps = any(b"security.capability" in n.xattrs for n in ns.inodes.values())
         self._recover()
 
     # -- startup ---------------------------------------------------------------
@@ -531,6 +534,8 @@ class Filesystem:
             raise FsError(errno.ERANGE)
         if len(value) > XATTR_SIZE_MAX:
             raise FsError(errno.E2BIG)
+        if name == b"security.capability":
+            self.has_caps = True
         self.ns.set_xattr(node, name, value)
 
     def listxattr(self, node: Inode) -> list[bytes]:

@@ -51,6 +51,8 @@ def fuse_errors(fn: F) -> F:
 
 class FuseOperations(pyfuse3.Operations):
     enable_writeback_cache = True
+    # Honoured by the pyfuse3 that `make bootstrap` builds (see docs/architecture.md).
+    enable_killpriv_v2 = True
     supports_dot_lookup = True
 
     def __init__(self, fs: Filesystem) -> None:
@@ -176,9 +178,15 @@ class FuseOperations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         self.fs.setxattr(self.fs.node(inode), name, value)
 
-    @fuse_errors
     async def getxattr(self, inode, name, ctx):
-        return self.fs.getxattr(self.fs.node(inode), name)
+        # The kernel asks for security.capability before every write() syscall
+        # (libfuse 3.14 cannot negotiate HANDLE_KILLPRIV_V2), so answer it first.
+        if name == b"security.capability" and not self.fs.has_caps:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        try:
+            return self.fs.getxattr(self.fs.node(inode), name)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
 
     @fuse_errors
     async def listxattr(self, inode, ctx):
@@ -235,6 +243,7 @@ def mount_options(fsname: str, extra: list[str]) -> set[str]:
     opts = set(pyfuse3.default_options)
     opts.add(f"fsname={fsname}")
     opts.add("subtype=mtcfs")
+    opts.update(("nosuid", "nodev"))  # see scripts/build_pyfuse3.sh (KILLPRIV_V2)
     opts.update(extra)
     return opts
 
