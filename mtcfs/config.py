@@ -50,6 +50,15 @@ NOT_YET_SUPPORTED = (
     "metrics_port",
 )
 
+# Mount options libfuse and the kernel accept (checked before mounting so a
+# typo is a usage error, not a failed mount).
+FUSE_OPTIONS = frozenset({
+    "allow_other", "allow_root", "auto_unmount", "default_permissions", "ro", "rw",
+    "atime", "noatime", "relatime", "strictatime", "nodiratime", "exec", "noexec",
+    "nosuid", "nodev", "sync", "async", "dirsync", "fsname", "subtype", "max_read",
+    "blksize", "context", "fscontext", "defcontext", "rootcontext",
+})
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -133,8 +142,28 @@ def load_toml(path: str) -> dict[str, object]:
             name = "fuse_options"
         if name not in known:
             raise ConfigError(f"config file {path}: unknown key {key!r}")
+        _check_toml_type(path, key, name, value)
         out[name] = value
     return out
+
+
+def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
+    """TOML values have types: `daemon = "no"` must not mean true."""
+    if name in ("daemon", "insecure"):
+        ok, want = isinstance(value, bool), "true or false"
+    elif name in ("replicas", "keep_steps", "metrics_port"):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif name == "ram_size":
+        ok = isinstance(value, str | int | float) and not isinstance(value, bool)
+        want = 'a size such as "8GiB" or a number of bytes'
+    elif name == "fuse_options":
+        ok = isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(v, str) for v in value))
+        want = "a string or a list of strings"
+    else:
+        ok, want = isinstance(value, str), "a string"
+    if not ok:
+        raise ConfigError(f"config file {path}: {key} must be {want}, not {value!r}")
 
 
 def build_options(mountpoint: str, cli: dict[str, object], config_file: str | None) -> MountOptions:
@@ -174,6 +203,11 @@ def _validate(opts: MountOptions) -> None:
     for o in opts.fuse_options:
         if not re.fullmatch(r"[A-Za-z0-9_]+(=[^,]*)?", o):
             raise ConfigError(f"invalid FUSE option {o!r}")
+        key = o.split("=", 1)[0]
+        if key not in FUSE_OPTIONS and o not in ("suid", "dev"):
+            raise ConfigError(
+                f"unknown FUSE option {o!r}: use one of {', '.join(sorted(FUSE_OPTIONS))}"
+            )
         if o in ("suid", "dev"):
             # The daemon does not clear setuid bits or capabilities on write
             # (the kernel leaves that to it under HANDLE_KILLPRIV_V2).

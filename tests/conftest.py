@@ -144,3 +144,49 @@ def make_mount(tmp_path: Path, ram_root: Path) -> Iterator:
 def mnt(make_mount) -> MtcfsMount:
     """A started mtcfs mount with a 2 GiB RAM tier."""
     return make_mount()
+
+
+# -- GCS server (fake-gcs-server) for durable-tier tests -----------------------------------------
+# Appended section (other engineers append fixtures too), hence the late import.
+
+import gcs_server as _gcs  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[_gcs.GcsServer]:
+    """One fake-gcs-server (memory backend) for the session; tests make their own buckets.
+
+    Tests that kill or corrupt a server use make_gcs_server instead.
+    """
+    server = _gcs.GcsServer(backend="memory").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server: _gcs.GcsServer) -> str:
+    """A fresh, empty bucket on the session server."""
+    if gcs_server.proc is None or gcs_server.proc.poll() is not None:
+        gcs_server.start()  # a previous test took it down
+    return gcs_server.create_bucket(f"test-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def make_gcs_server() -> Iterator:
+    """Start private servers: make(backend="memory"|"filesystem") -> GcsServer.
+
+    Each has kill(), start() and restart(downtime) on the same port; all are
+    stopped at the end of the test.
+    """
+    servers: list[_gcs.GcsServer] = []
+
+    def make(backend: str = "memory") -> _gcs.GcsServer:
+        server = _gcs.GcsServer(backend=backend)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()

@@ -32,17 +32,19 @@ def umount(mountpoint: str, wait: bool, timeout: float) -> None:
     try:
         pid = control.request(mountpoint, "status", timeout=10)["status"]["pid"]
     except control.ControlError as e:
-        if "dead mount" not in str(e):
+        if "not an mtcfs mount" in str(e):
             fail(str(e))
+        if "dead mount" not in str(e):
+            # The daemon does not answer (its RAM dir may be gone): unmount anyway.
+            click.echo(f"warning: {e}; unmounting without it", err=True)
+            _unmount(mountpoint)
+            return
         subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True)
         if mount_entry(mountpoint) is not None:
             subprocess.run(["umount", "-l", mountpoint], capture_output=True)
         click.echo(f"cleaned up the dead mount at {mountpoint}")
         return
-    r = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
-    if r.returncode != 0:
-        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "unmount failed"
-        fail(f"cannot unmount {mountpoint}: {why}")
+    _unmount(mountpoint)
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
         if not _alive(pid):
@@ -60,3 +62,10 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def _unmount(mountpoint: str) -> None:
+    r = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if r.returncode != 0:
+        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "unmount failed"
+        fail(f"cannot unmount {mountpoint}: {why}")

@@ -169,6 +169,11 @@ class Filesystem:
                 raise FsError(errno.EISDIR)
             if not node.is_file:
                 raise FsError(errno.EINVAL)
+            if node.state == INCOMPLETE and size != 0:
+                # Keeping part of an interrupted write would seal it as good.
+                log.error("refusing to truncate %s to %d bytes: it is incomplete; "
+                          "truncate it to 0, rewrite or remove it", self.ns.path_of(node), size)
+                raise FsError(errno.EIO)
             self._truncate(node, size)
             node.mtime_ns = now
             if node.writers == 0 and node.dirty:

@@ -198,14 +198,21 @@ class FuseOperations(pyfuse3.Operations):
 
     # -- files -------------------------------------------------------------------
 
+    def _open_flags(self, flags: int) -> int:
+        # With the writeback cache the kernel resolves O_APPEND itself and
+        # writes back whole pages at their real offsets: honouring O_APPEND
+        # here again would move that data to the end of the file.
+        return flags & ~os.O_APPEND if self.enable_writeback_cache else flags
+
     @fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
+        flags = self._open_flags(flags)
         fh, node = self.fs.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attrs(node)
 
     @fuse_errors
     async def open(self, inode, flags, ctx):
-        fh = self.fs.open(self.fs.node(inode), flags)
+        fh = self.fs.open(self.fs.node(inode), self._open_flags(flags))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def read(self, fh, off, size):

@@ -1,0 +1,84 @@
+"""The durable tier: `gs://bucket[/prefix]` (GCS) or `file:///dir`, behind one interface.
+
+    tier = open_durable("gs://bucket/run1", endpoint=None)
+    tier.check()                      # at mount time: clear error, bounded time
+    info = tier.put_file("step-100/shard-0", "/dev/shm/...", crc, if_generation_match=0)
+    tier.download("step-100/shard-0", fd)
+
+See base.DurableTier for the contract shared by both backends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import unquote, urlsplit
+
+from mtcfs.tiers.durable.base import (
+    DurableError,
+    DurableTier,
+    IntegrityError,
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Progress,
+    Unavailable,
+    validate_key,
+)
+
+__all__ = [
+    "DurableError",
+    "DurableTier",
+    "IntegrityError",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "Progress",
+    "Unavailable",
+    "open_durable",
+    "validate_key",
+]
+
+# GCS bucket names: 3-63 characters (up to 222 with dots), lowercase, digits, - _ .
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_USAGE = "expected gs://bucket[/prefix] or file:///absolute/dir"
+
+
+def open_durable(url: str, endpoint: str | None = None, *,
+                 retry_deadline: float | None = None) -> DurableTier:
+    """The durable tier for `url`. Does no I/O on file:// and no request on gs://
+    (call check() for that); raises DurableError for a URL it cannot use.
+
+    endpoint: a GCS endpoint such as an emulator (http://127.0.0.1:4443); default
+    STORAGE_EMULATOR_HOST, else Google. retry_deadline: seconds one GCS request
+    keeps retrying through an outage before Unavailable is raised.
+    """
+    if url.startswith("gs://"):
+        rest = url[len("gs://"):]
+        bucket, _, prefix = rest.partition("/")
+        if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+            raise DurableError(f"invalid bucket name {bucket!r} in {url!r}: {_USAGE}")
+        prefix = prefix.strip("/")
+        if prefix:
+            try:
+                validate_key(prefix)
+            except ValueError as e:
+                raise DurableError(f"invalid prefix in {url!r}: {e}") from None
+            prefix += "/"
+        from mtcfs.tiers.durable.gcs import DEFAULT_RETRY_DEADLINE, GcsTier
+
+        return GcsTier(bucket, prefix, endpoint=endpoint,
+                       retry_deadline=retry_deadline or DEFAULT_RETRY_DEADLINE)
+    if url.startswith("file:"):
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise DurableError(f"invalid durable directory URL {url!r}: {_USAGE}")
+        if parts.query or parts.fragment:
+            raise DurableError(f"invalid durable directory URL {url!r}: no ?query or #fragment")
+        path = os.path.normpath(unquote(parts.path))
+        if path == "/":
+            raise DurableError(f"refusing the root directory as durable tier: {url!r}")
+        from mtcfs.tiers.durable.localdir import LocalDirTier
+
+        return LocalDirTier(path)
+    raise DurableError(f"unsupported durable-tier URL {url!r}: {_USAGE}")

@@ -1,0 +1,483 @@
+"""The durable-tier backends, each against the real thing: gs:// on fake-gcs-server
+and file:// on a directory. Every behavioural test runs for both."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import google_crc32c
+import pytest
+
+from mtcfs.tiers.durable import (
+    DurableError,
+    DurableTier,
+    IntegrityError,
+    ObjectNotFound,
+    PreconditionFailed,
+    Unavailable,
+    open_durable,
+)
+from mtcfs.tiers.durable.crc import crc32c_combine
+from mtcfs.tiers.durable.gcs import GcsTier
+from mtcfs.tiers.durable.localdir import LocalDirTier
+
+from gcs_server import DroppingProxy, GcsServer, closed_port, free_port
+
+MiB = 1 << 20
+BACKENDS = ["gs", "file"]
+
+
+def make_data(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def write_src(dir_: Path, data: bytes, name: str = "src") -> tuple[str, int]:
+    path = dir_ / name
+    path.write_bytes(data)
+    return str(path), google_crc32c.value(data)
+
+
+def open_dest(dir_: Path, name: str = "dest", garbage: int = 0) -> int:
+    """A destination fd, pre-filled with garbage the download must not leave behind."""
+    fd = os.open(dir_ / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    if garbage:
+        os.pwrite(fd, b"\xee" * garbage, 0)
+    return fd
+
+
+@pytest.fixture(params=BACKENDS)
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[DurableTier]:
+    if request.param == "gs":
+        server: GcsServer = request.getfixturevalue("gcs_server")
+        bucket = request.getfixturevalue("gcs_bucket")
+        t = open_durable(f"gs://{bucket}/run-1", endpoint=server.url, retry_deadline=10)
+    else:
+        root = tmp_path / "durable"
+        root.mkdir()
+        t = open_durable(f"file://{root}")
+    t.check()
+    yield t
+    t.close()
+
+
+# -- round trip ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 * MiB, 40 * MiB], ids=["0", "1", "5MiB", "40MiB"])
+def test_round_trip(tier: DurableTier, tmp_path: Path, size: int) -> None:
+    data = make_data(size, seed=size)
+    src, crc = write_src(tmp_path, data)
+    sent: list[tuple[int, int]] = []
+    info = tier.put_file("step-1/shard.bin", src, crc, progress=lambda o, n: sent.append((o, n)))
+    assert info.key == "step-1/shard.bin"
+    assert info.size == size
+    assert info.crc32c == crc
+    assert info.generation > 0
+    assert sum(n for _, n in sent) == size
+
+    assert tier.stat("step-1/shard.bin") == info
+    assert [i.key for i in tier.list()] == ["step-1/shard.bin"]
+    assert tier.stat("step-1/missing") is None
+
+    assert tier.read_range("step-1/shard.bin", 0, 10) == data[:10]
+    assert tier.read_range("step-1/shard.bin", size // 2, 4096) == data[size // 2:size // 2 + 4096]
+    assert tier.read_range("step-1/shard.bin", max(0, size - 5), 100) == data[-5:]
+    assert tier.read_range("step-1/shard.bin", size + 10, 100) == b""
+
+    # Chunks of 4 MiB: 40 MiB is 10 ranged GETs over 4 threads.
+    fd = open_dest(tmp_path, garbage=size + 1000)
+    got: list[tuple[int, int]] = []
+    try:
+        dl = tier.download("step-1/shard.bin", fd, chunk_size=4 * MiB, parallel=4,
+                           progress=lambda o, n: got.append((o, n)))
+        assert dl == info
+        assert os.fstat(fd).st_size == size
+        assert os.pread(fd, size + 1, 0) == data
+    finally:
+        os.close(fd)
+    assert sum(n for _, n in got) == size
+    assert sorted(got) == sorted(set(got))  # no range written twice
+
+
+def test_list_prefix_and_delete(tier: DurableTier, tmp_path: Path) -> None:
+    keys = ["a/b/x", "a/bc", "a/b.txt", "b/y", "top"]
+    for i, key in enumerate(keys):
+        src, crc = write_src(tmp_path, make_data(100 + i, seed=i))
+        tier.put_file(key, src, crc)
+    assert [i.key for i in tier.list()] == sorted(keys)
+    assert [i.key for i in tier.list("a/")] == ["a/b.txt", "a/b/x", "a/bc"]
+    assert [i.key for i in tier.list("a/b")] == ["a/b.txt", "a/b/x", "a/bc"]  # string prefix
+    assert [i.key for i in tier.list("a/b/")] == ["a/b/x"]
+    assert list(tier.list("nothing/")) == []
+    assert {i.key: i.size for i in tier.list()} == {k: 100 + i for i, k in enumerate(keys)}
+
+    tier.delete("a/b/x")
+    assert tier.stat("a/b/x") is None
+    tier.delete("a/b/x")  # absent: not an error
+    tier.delete("never/existed", if_generation_match=123)
+    assert [i.key for i in tier.list("a/")] == ["a/b.txt", "a/bc"]
+    if isinstance(tier, LocalDirTier):
+        assert not (Path(tier.root) / "a" / "b").exists()  # emptied directories go too
+    with pytest.raises(ObjectNotFound):
+        tier.download("a/b/x", open_dest(tmp_path))
+    with pytest.raises(ObjectNotFound):
+        tier.read_range("a/b/x", 0, 1)
+
+
+# -- generation preconditions ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1000, 10 * MiB], ids=["multipart", "resumable"])
+def test_if_absent_on_existing_key_fails(tier: DurableTier, tmp_path: Path, size: int) -> None:
+    v1, v2 = make_data(size, 1), make_data(size, 2)
+    src1, crc1 = write_src(tmp_path, v1, "v1")
+    src2, crc2 = write_src(tmp_path, v2, "v2")
+    first = tier.put_file("k", src1, crc1, if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        tier.put_file("k", src2, crc2, if_generation_match=0)
+    assert tier.stat("k") == first
+    fd = open_dest(tmp_path)
+    try:
+        tier.download("k", fd)
+        assert os.pread(fd, size + 1, 0) == v1
+    finally:
+        os.close(fd)
+
+
+def test_stale_generation_cannot_overwrite(tier: DurableTier, tmp_path: Path) -> None:
+    src1, crc1 = write_src(tmp_path, b"one" * 1000, "v1")
+    src2, crc2 = write_src(tmp_path, b"two" * 1000, "v2")
+    src3, crc3 = write_src(tmp_path, b"three" * 1000, "v3")
+    g1 = tier.put_file("k", src1, crc1).generation
+    g2 = tier.put_file("k", src2, crc2, if_generation_match=g1).generation
+    assert g2 > g1
+    with pytest.raises(PreconditionFailed):  # a node that still believes in g1
+        tier.put_file("k", src3, crc3, if_generation_match=g1)
+    with pytest.raises(PreconditionFailed):
+        tier.delete("k", if_generation_match=g1)
+    live = tier.stat("k")
+    assert live is not None and (live.generation, live.crc32c) == (g2, crc2)
+    assert tier.read_range("k", 0, 3) == b"two"
+    tier.delete("k", if_generation_match=g2)
+    assert tier.stat("k") is None
+
+
+def test_concurrent_if_absent_puts_one_winner(tier: DurableTier, tmp_path: Path) -> None:
+    srcs = [write_src(tmp_path, make_data(2000, seed=i), f"s{i}") for i in range(8)]
+    results: list[object] = [None] * len(srcs)
+    barrier = threading.Barrier(len(srcs))
+
+    def put(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = tier.put_file("race", srcs[i][0], srcs[i][1], if_generation_match=0)
+        except PreconditionFailed as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(len(srcs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    winners = [r for r in results if not isinstance(r, PreconditionFailed)]
+    assert len(winners) == 1, results
+    assert tier.stat("race") == winners[0]
+
+
+# -- integrity -----------------------------------------------------------------------------------
+
+
+def test_put_with_wrong_crc_is_refused(tier: DurableTier, tmp_path: Path) -> None:
+    src, crc = write_src(tmp_path, make_data(3000))
+    with pytest.raises(IntegrityError):
+        tier.put_file("bad", src, crc ^ 1)
+    assert tier.stat("bad") is None
+
+
+@pytest.fixture(params=BACKENDS)
+def corruptible(request: pytest.FixtureRequest,
+                tmp_path: Path) -> Iterator[tuple[DurableTier, Callable[[str], None]]]:
+    """A tier plus corrupt(key): flips one stored byte behind the tier's back, keeping the
+    recorded crc32c. For gs:// that needs fake-gcs-server's filesystem backend, which keeps
+    object bytes as plain files (the memory backend recomputes every crc itself)."""
+    if request.param == "gs":
+        server: GcsServer = request.getfixturevalue("make_gcs_server")("filesystem")
+        bucket = server.create_bucket("corrupt-me")
+        t: DurableTier = open_durable(f"gs://{bucket}/p", endpoint=server.url,
+                                      retry_deadline=10)
+
+        def where(key: str) -> Path:
+            return server.object_path(bucket, f"p/{key}")
+    else:
+        root = tmp_path / "durable"
+        root.mkdir()
+        t = open_durable(f"file://{root}")
+
+        def where(key: str) -> Path:
+            return root / key
+
+    def corrupt(key: str) -> None:
+        path = where(key)
+        with open(path, "r+b") as f:  # in place: the xattr with the crc32c stays
+            f.seek(1234567)
+            b = f.read(1)
+            f.seek(1234567)
+            f.write(bytes([b[0] ^ 0x01]))
+
+    yield t, corrupt
+    t.close()
+
+
+def test_corrupted_object_is_never_served(corruptible: tuple[DurableTier, Callable[[str], None]],
+                                          tmp_path: Path) -> None:
+    tier, corrupt = corruptible
+    data = make_data(3 * MiB, seed=7)
+    src, crc = write_src(tmp_path, data)
+    tier.put_file("ckpt/shard", src, crc)
+    corrupt("ckpt/shard")
+    assert tier.read_range("ckpt/shard", 1234567, 1) != data[1234567:1234568]  # really corrupt
+    for chunk in (1 * MiB, 8 * MiB):  # several ranged chunks, and one
+        fd = open_dest(tmp_path, garbage=100)
+        try:
+            with pytest.raises(IntegrityError, match="crc32c"):
+                tier.download("ckpt/shard", fd, chunk_size=chunk)
+            assert os.fstat(fd).st_size == 0  # nothing left that could pass for the object
+        finally:
+            os.close(fd)
+
+
+# -- check() ---------------------------------------------------------------------------------------
+
+
+def test_check_missing_bucket(gcs_server: GcsServer) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(DurableError, match=r"gs://no-such-bucket-1/x: bucket 'no-such-bucket-1' "
+                                           r"does not exist"):
+        open_durable("gs://no-such-bucket-1/x", endpoint=gcs_server.url).check()
+    assert time.monotonic() - t0 < 10
+
+
+def test_check_unreachable_endpoint() -> None:
+    port = closed_port()
+    t0 = time.monotonic()
+    with pytest.raises(DurableError, match=rf"cannot reach GCS at http://127.0.0.1:{port}: "
+                                           r"connection refused"):
+        open_durable("gs://some-bucket", endpoint=f"127.0.0.1:{port}").check()
+    assert time.monotonic() - t0 < 10
+
+
+def test_check_hung_endpoint() -> None:
+    """A server that accepts connections but never answers: bounded, not a hang."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as hung:
+        port = hung.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(DurableError, match=rf"cannot reach GCS at http://127.0.0.1:{port}: "
+                                               r"timed out"):
+            open_durable("gs://some-bucket", endpoint=f"http://127.0.0.1:{port}").check()
+        assert time.monotonic() - t0 < 10
+
+
+def test_check_uses_storage_emulator_host(gcs_server: GcsServer, gcs_bucket: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
+    open_durable(f"gs://{gcs_bucket}").check()
+
+
+def test_check_local_dir(tmp_path: Path) -> None:
+    with pytest.raises(DurableError, match="directory does not exist"):
+        open_durable(f"file://{tmp_path}/missing").check()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DurableError, match="not a directory"):
+        open_durable(f"file://{tmp_path}/afile").check()
+    open_durable(f"file://{tmp_path}").check()
+    assert not list(tmp_path.glob(".mtcfs-tmp-*"))  # the probe is cleaned up
+
+
+# -- outages -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [None, 4 * MiB], ids=["streamed", "chunked"])
+def test_upload_survives_server_restart(make_gcs_server: Callable[..., GcsServer],
+                                        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                        chunk: int | None) -> None:
+    server = make_gcs_server("memory")
+    bucket = server.create_bucket("outage")
+    tier = GcsTier(bucket, "p/", endpoint=server.url, retry_deadline=20,
+                   upload_chunk_size=chunk)
+    data = make_data(24 * MiB, seed=3)
+    src, crc = write_src(tmp_path, data)
+    killed = threading.Event()
+    restarter: list[threading.Thread] = []
+
+    def progress(off: int, n: int) -> None:
+        # Crash the server once a third of the file is on its way, bring it back 1.5 s later.
+        if off >= 8 * MiB and not killed.is_set():
+            killed.set()
+            server.kill()
+            t = threading.Thread(target=server.restart, kwargs={"downtime": 1.5})
+            t.start()
+            restarter.append(t)
+
+    caplog.set_level(logging.WARNING, logger="mtcfs.tiers.durable.gcs")
+    t0 = time.monotonic()
+    info = tier.put_file("big", src, crc, progress=progress)
+    elapsed = time.monotonic() - t0
+    for t in restarter:
+        t.join()
+    assert killed.is_set()
+    assert info.crc32c == crc and info.size == len(data)
+    assert "restarting the upload" in caplog.text  # the lost session was started over
+    assert elapsed < 30
+    fd = open_dest(tmp_path)
+    try:
+        tier.download("big", fd, chunk_size=4 * MiB)
+        assert os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+    tier.close()
+
+
+def test_download_survives_server_restart(make_gcs_server: Callable[..., GcsServer],
+                                          tmp_path: Path) -> None:
+    """The filesystem backend keeps objects over a restart, as GCS would: the ranged
+    downloads interrupted by the crash resume where they stopped."""
+    server = make_gcs_server("filesystem")
+    bucket = server.create_bucket("outage")
+    tier = open_durable(f"gs://{bucket}", endpoint=server.url, retry_deadline=20)
+    data = make_data(24 * MiB, seed=9)
+    src, crc = write_src(tmp_path, data)
+    tier.put_file("obj", src, crc)
+    killed = threading.Event()
+    restarter: list[threading.Thread] = []
+
+    def progress(off: int, n: int) -> None:
+        if not killed.is_set():
+            killed.set()
+            server.kill()
+            t = threading.Thread(target=server.restart, kwargs={"downtime": 1.0})
+            t.start()
+            restarter.append(t)
+
+    fd = open_dest(tmp_path)
+    try:
+        info = tier.download("obj", fd, chunk_size=4 * MiB, parallel=4, progress=progress)
+        assert info.crc32c == crc
+        assert os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+        for t in restarter:
+            t.join()
+    assert killed.is_set()
+    tier.close()
+
+
+def test_upload_resumes_after_dropped_connection(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A connection cut mid-upload: the session's status is queried. fake-gcs-server
+    finalizes the session on that query with partial data; the tier notices the short
+    object, removes it, and uploads again (on GCS the upload would resume instead)."""
+    proxy_port = free_port()
+    server = GcsServer("memory", external_url=f"http://127.0.0.1:{proxy_port}").start()
+    proxy = DroppingProxy(server.port, drop_after=12 * MiB, port=proxy_port)
+    try:
+        bucket = server.create_bucket("flaky")
+        tier = open_durable(f"gs://{bucket}", endpoint=proxy.url, retry_deadline=10)
+        data = make_data(24 * MiB, seed=5)
+        src, crc = write_src(tmp_path, data)
+        caplog.set_level(logging.WARNING, logger="mtcfs.tiers.durable.gcs")
+        info = tier.put_file("obj", src, crc)
+        assert proxy.dropped.is_set()
+        assert "finalized the upload early" in caplog.text
+        assert (info.size, info.crc32c) == (len(data), crc)
+        assert [i.generation for i in tier.list()] == [info.generation]
+        fd = open_dest(tmp_path)
+        try:
+            tier.download("obj", fd)
+            assert os.pread(fd, len(data) + 1, 0) == data
+        finally:
+            os.close(fd)
+        tier.close()
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_upload_gives_up_after_retry_deadline(make_gcs_server: Callable[..., GcsServer],
+                                              tmp_path: Path) -> None:
+    server = make_gcs_server("memory")
+    bucket = server.create_bucket("outage")
+    tier = open_durable(f"gs://{bucket}", endpoint=server.url, retry_deadline=3)
+    src, crc = write_src(tmp_path, make_data(20 * MiB))
+    server.kill()
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match=r"gs://outage: put k: GCS at .* unavailable.*"
+                                          r"connection refused"):
+        tier.put_file("k", src, crc)
+    assert time.monotonic() - t0 < 10
+    server.start()
+    assert tier.put_file("k", src, crc).crc32c == crc  # and works again once it is back
+    tier.close()
+
+
+# -- keys and URLs -------------------------------------------------------------------------------
+
+
+BAD_KEYS = ["", "/abs", "a/../b", "..", "a//b", "a/", "./a", "a/.", "a\0b", "a\nb",
+            "x" * 1025, "\udcff"]
+
+
+def test_invalid_keys_rejected(tier: DurableTier, tmp_path: Path) -> None:
+    src, crc = write_src(tmp_path, b"data")
+    fd = open_dest(tmp_path)
+    try:
+        for key in BAD_KEYS:
+            for call in (lambda k: tier.put_file(k, src, crc), tier.stat, tier.delete,
+                         lambda k: tier.read_range(k, 0, 1), lambda k: tier.download(k, fd)):
+                with pytest.raises(ValueError):
+                    call(key)
+    finally:
+        os.close(fd)
+    assert list(tier.list()) == []
+    longest = "/".join(["y" * 200] * 4 + ["z" * 220])  # 1024 bytes, segments within NAME_MAX
+    assert len(longest) == 1024
+    assert tier.put_file(longest, src, crc).key == longest
+
+
+def test_local_reserved_names(tmp_path: Path) -> None:
+    t = open_durable(f"file://{tmp_path}")
+    src, crc = write_src(tmp_path, b"data", "s")
+    for key in (".mtcfs-locks/x", "a/.mtcfs-tmp-123"):
+        with pytest.raises(ValueError, match="reserved"):
+            t.put_file(key, src, crc)
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "gs://", "gs://AB", "gs://bucket/a/../b",
+                                 "file://relative/dir", "file:///", "/plain/path", "bucket"])
+def test_open_durable_rejects_bad_urls(url: str) -> None:
+    with pytest.raises(DurableError) as e:
+        open_durable(url)
+    assert "\n" not in str(e.value) and url.split("/")[0] in str(e.value)
+
+
+def test_open_durable_parses_urls(tmp_path: Path) -> None:
+    t = open_durable("gs://my-bucket/some/prefix/", endpoint="http://127.0.0.1:1")
+    assert isinstance(t, GcsTier) and (t.bucket_name, t.prefix) == ("my-bucket", "some/prefix/")
+    assert t.url == "gs://my-bucket/some/prefix"
+    assert isinstance(open_durable(f"file://{tmp_path}"), LocalDirTier)
+    assert open_durable("file://localhost/srv/ckpt").url == "file:///srv/ckpt"
+
+
+def test_crc32c_combine() -> None:
+    rng = random.Random(1)
+    for _ in range(50):
+        a = rng.randbytes(rng.randrange(0, 5000))
+        b = rng.randbytes(rng.randrange(0, 5000))
+        assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b)) == \
+            google_crc32c.value(a + b)
