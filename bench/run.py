@@ -1,0 +1,165 @@
+"""`make bench`: mtcfs side by side with its references, in one run.
+
+    .venv/bin/python bench/run.py [--reps N] [--size SIZE] [--only NAME[,NAME]] [--json]
+
+Each figure is printed beside its reference measured in the same run, with
+the ratio and the target of DESIGN.md ("Quality bar"); the results are also
+written to bench/results/latest.json. Needs root (FUSE mounts, drop_caches).
+
+To add a benchmark group: write `def group(ctx: Context) -> list[Row]` in a
+module of bench/ and register it in GROUPS below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import ramtier
+from common import (
+    BENCH_DIR,
+    BenchError,
+    Context,
+    GiB,
+    IoTool,
+    MiB,
+    Row,
+    Scratch,
+    err,
+    facts_table,
+    machine_facts,
+    results_table,
+    section,
+)
+from rich.console import Console
+
+from mtcfs.config import ConfigError, format_size, parse_size
+
+Group = Callable[[Context], list[Row]]
+
+# name -> (function, what it measures); run in this order.
+GROUPS: dict[str, tuple[Group, str]] = {
+    "write": (ramtier.seq_write, "sequential write, 1 MiB / 4 KiB / 64 KiB writes vs tmpfs"),
+    "read": (ramtier.seq_read, "sequential read, cold page cache, vs tmpfs"),
+    "create": (ramtier.create_files, "2,000 files of 64 KiB in 20 directories vs tmpfs"),
+    "meta": (ramtier.metadata_cost, "1 file vs 1,024 files of the same bytes, vs tmpfs"),
+    "rss": (ramtier.daemon_rss, "daemon peak RSS while writing 4 x --size"),
+}
+
+RESULTS = BENCH_DIR / "results" / "latest.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench/run.py",
+        description="mtcfs benchmarks, each figure beside its reference from the same run.",
+        epilog="groups: " + "; ".join(f"{n}: {d}" for n, (_, d) in GROUPS.items()),
+    )
+    p.add_argument("--reps", type=int, default=5, help="repetitions per figure [5]")
+    p.add_argument("--size", default="1GiB", help="bytes per sequential test [1GiB]")
+    p.add_argument("--only", metavar="NAME[,NAME]", help="run only these groups")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
+    try:
+        args.size = parse_size(args.size)
+    except ConfigError as e:
+        p.error(str(e))
+    if args.size < 4 * MiB or args.size % MiB:
+        p.error("--size must be a multiple of 1 MiB, at least 4 MiB")
+    names = list(GROUPS)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in GROUPS]
+        if unknown or not names:
+            p.error(
+                f"unknown group {', '.join(unknown) or '(none)'}; choose from {', '.join(GROUPS)}"
+            )
+    args.groups = [n for n in GROUPS if n in names]
+    return args
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        err.print("bench: error: run as root (FUSE mounts, /proc/sys/vm/drop_caches)")
+        return 2
+    # Also SIGINT: a shell that starts us in the background may have ignored it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+    facts = machine_facts()
+    facts.update(reps=args.reps, size=format_size(args.size), groups=",".join(args.groups))
+    err.print(facts_table(facts))
+    started = time.monotonic()
+    rows: list[Row] = []
+    code = 0
+    scratch = Scratch()
+    try:
+        ctx = Context(
+            args.reps,
+            args.size,
+            scratch,
+            IoTool(scratch.tmp),
+            ram_size=f"{max(8, 3 * args.size // GiB)}GiB",
+        )
+        try:
+            for name in args.groups:
+                with section(f"{name}: {GROUPS[name][1]}"):
+                    rows += GROUPS[name][0](ctx)
+        finally:
+            ctx.close()
+    except KeyboardInterrupt:
+        err.print("[red]bench: interrupted: cleaning up[/]")
+        code = 130
+    except BenchError as e:
+        err.print(f"[red]bench: error: {e}[/]")
+        code = 1
+    except Exception:
+        err.print_exception()
+        code = 1
+    finally:
+        # A second Ctrl-C must not leave mounts behind.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        scratch.close()
+
+    facts["duration_s"] = round(time.monotonic() - started, 1)
+    facts["loadavg_end"] = os.getloadavg()[0]
+    result: dict[str, Any] = {
+        "complete": code == 0,
+        "machine": facts,
+        "rows": [r.to_json() for r in rows],
+    }
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif rows:
+        out = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+        out.print(facts_table(facts))
+        out.print(
+            results_table(
+                rows,
+                f"mtcfs vs references, median of {args.reps} reps "
+                f"(ratio: mtcfs performance / reference)",
+            )
+        )
+        err.print(f"results: {RESULTS}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
