@@ -42,9 +42,6 @@ NOT_YET_SUPPORTED = (
     "replicas",
     "token_file",
     "insecure",
-    "bucket",
-    "gcs_endpoint",
-    "persist",
     "keep_steps",
     "fsync",
     "metrics_port",
@@ -117,6 +114,9 @@ class MountOptions:
     bucket: str | None = None
     gcs_endpoint: str | None = None
     persist: str | None = None
+    list_refresh: float = 30.0
+    commit_markers: str | None = None
+    tmp_patterns: str | None = None
     keep_steps: int | None = None
     fsync: str | None = None
     metrics_port: int | None = None
@@ -189,6 +189,7 @@ def _validate(opts: MountOptions) -> None:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is not yet supported by this version of mtcfs")
     opts.ram_size = parse_size(opts.ram_size or "4GiB")
+    _validate_durable(opts)
     opts.log_level = str(opts.log_level).lower()
     if opts.log_level not in LOG_LEVELS:
         raise ConfigError(
@@ -214,6 +215,41 @@ def _validate(opts: MountOptions) -> None:
             raise ConfigError(f"FUSE option {o!r} is not allowed: mtcfs mounts are nosuid,nodev")
     check_mountpoint(opts.mountpoint)
     check_ram_dir(opts.ram_dir, opts.mountpoint)
+
+
+def _validate_durable(opts: MountOptions) -> None:
+    from mtcfs.persist.policy import PersistPolicy
+
+    if opts.bucket is None:
+        for name in ("gcs_endpoint", "persist", "commit_markers", "tmp_patterns"):
+            if getattr(opts, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} needs --bucket")
+        return
+    if not opts.bucket.startswith(("gs://", "file://")):
+        raise ConfigError(f"invalid --bucket {opts.bucket!r}: use gs://bucket[/prefix] or "
+                          "file:///dir")
+    from mtcfs.tiers.durable import DurableError, parse_url
+
+    try:
+        parse_url(opts.bucket)
+    except DurableError as e:
+        raise ConfigError(str(e)) from None
+    opts.persist = opts.persist or "step"
+    try:
+        PersistPolicy.parse(opts.persist)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        opts.list_refresh = float(opts.list_refresh)
+    except (TypeError, ValueError):
+        raise ConfigError(f"invalid --list-refresh {opts.list_refresh!r}: seconds") from None
+    if opts.list_refresh <= 0:
+        raise ConfigError("--list-refresh must be greater than zero")
+    for name in ("commit_markers", "tmp_patterns"):
+        value = getattr(opts, name)
+        if value is not None and not [v for v in str(value).split(",") if v.strip()]:
+            raise ConfigError(f"--{name.replace('_', '-')} needs at least one name")
 
 
 def check_mountpoint(mountpoint: str) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mtcfs import __version__, control
+from mtcfs import control
 from mtcfs.config import MountOptions, format_size, is_dead_mount, mount_entry
+from mtcfs.controlops import ControlHandler
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
 from mtcfs.fs.namespace import Namespace
@@ -132,6 +133,17 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         log.exception("cannot open the RAM dir")
         _notify(ready_fd, f"cannot open RAM dir {opts.ram_dir}: {e}")
         return 1
+    if opts.bucket:
+        from mtcfs.tiers.durable import DurableError
+
+        try:
+            _attach_durable(opts, fs)
+        except DurableError as e:
+            msg = f"durable tier {opts.bucket}: {e}"
+            log.error("%s", msg)
+            _notify(ready_fd, msg)
+            store.close()
+            return 1
     ops = FuseOperations(fs)
     try:
         pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
@@ -157,25 +169,42 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
     return code
 
 
+def _attach_durable(opts: MountOptions, fs: Filesystem) -> None:
+    """Open and check the durable tier, merge its tree into the namespace
+    (before the kernel sees anything), and hook up uploads and read-through."""
+    # Imported here: google-cloud-storage is slow to import and unused without --bucket.
+    from mtcfs.persist.policy import PersistPolicy
+    from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
+    from mtcfs.persist.uploader import Uploader
+    from mtcfs.readthrough import ReadThrough
+    from mtcfs.tiers.durable import open_durable
+
+    tier = open_durable(opts.bucket or "", opts.gcs_endpoint)
+    tier.check()
+    rules = StepRules(
+        markers=_names(opts.commit_markers) or DEFAULT_MARKERS,
+        tmp_patterns=_names(opts.tmp_patterns) or DEFAULT_TMP_PATTERNS,
+    )
+    uploader = Uploader(fs.ns, fs.ram.path, tier, PersistPolicy.parse(opts.persist or "step"),
+                        rules)
+    readthrough = ReadThrough(fs.ns, fs.ram, tier, refresh=opts.list_refresh)
+    t0 = time.monotonic()
+    objects = list(tier.list(""))
+    merged = readthrough.merge(objects, set(uploader.deletes), full=True)
+    readthrough.stats.listed_objects = len(objects)
+    readthrough.stats.last_refresh = time.time()
+    log.info("durable tier %s: %d objects listed, %d files merged in %.2f s", tier.url,
+             len(objects), merged, time.monotonic() - t0)
+    fs.uploader, fs.readthrough = uploader, readthrough
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
+
+
 async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> None:
     started = time.time()
-
-    async def on_control(req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        if op == "status":
-            st = fs.status()
-            st.update(
-                mountpoint=opts.mountpoint,
-                pid=os.getpid(),
-                version=__version__,
-                uptime=round(time.time() - started, 1),
-                health="ok",
-            )
-            return {"ok": True, "status": st}
-        if op == "shutdown":
-            nursery.cancel_scope.cancel()
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown request {op!r}"}
+    on_control = ControlHandler(fs, opts, started, lambda: nursery.cancel_scope.cancel())
 
     async def watch_signals() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -194,6 +223,11 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> Non
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve_fuse)
         nursery.start_soon(watch_signals)
+        nursery.start_soon(fs.ram.empty_trash)
+        if fs.uploader is not None and fs.readthrough is not None:
+            nursery.start_soon(fs.uploader.run)
+            nursery.start_soon(fs.readthrough.run)
+            nursery.start_soon(fs.readthrough.refresh_loop, fs.uploader.deletes)
         await nursery.start(control.serve, opts.control_socket, on_control)
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)

@@ -185,11 +185,27 @@ def test_unknown_option(tmp_path):
     assert "frobnicate" in one_line(r.stderr)
 
 
+@pytest.mark.parametrize(("args", "why"), [
+    (("--persist", "on-close"), "needs --bucket"),
+    (("--bucket", "gs://x"), "invalid bucket name"),
+    (("--bucket", "s3://b"), "gs://bucket"),
+    (("--bucket", "file:///tmp/x", "--persist", "sometimes"), "invalid persist policy"),
+    (("--bucket", "file:///tmp/x", "--persist", "interval:0"), "seconds > 0"),
+])
+def test_bad_durable_options(tmp_path, ram_root, args, why):
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_root / "ram"), *args)
+    assert r.returncode == 2, r.stderr
+    assert why in one_line(r.stderr)
+    assert mount_entry(str(mp)) is None
+
+
 @pytest.mark.parametrize("args", [
-    ("--bucket", "gs://x"),
     ("--peers", "10.0.0.1:7000"),
     ("--replicas", "2"),
-    ("--persist", "on-close"),
+    ("--keep-steps", "3"),
+    ("--fsync", "replicas"),
 ])
 def test_later_issue_option(tmp_path, ram_root, args):
     mp = tmp_path / "mp"
@@ -201,7 +217,7 @@ def test_later_issue_option(tmp_path, ram_root, args):
     assert mount_entry(str(mp)) is None
 
 
-@pytest.mark.parametrize("cmd", ["persist", "prefetch", "steps"])
+@pytest.mark.parametrize("cmd", ["prefetch", "csi", "controller"])
 def test_later_issue_command(tmp_path, cmd):
     r = mtcfs(cmd, str(tmp_path))
     assert r.returncode == 2

@@ -9,13 +9,13 @@ import click
 from mtcfs import __version__
 from mtcfs.cli.demo import demo
 from mtcfs.cli.mount import mount
+from mtcfs.cli.persist import persist
 from mtcfs.cli.status import status
+from mtcfs.cli.steps import steps
 from mtcfs.cli.umount import umount
 
 _LATER = {
-    "persist": "needs the durable tier (--bucket)",
     "prefetch": "needs the peer or durable tier",
-    "steps": "needs step tracking",
     "csi": "the CSI node plugin",
     "controller": "the Kubernetes controller",
 }
@@ -31,6 +31,8 @@ cli.add_command(mount)
 cli.add_command(umount)
 cli.add_command(status)
 cli.add_command(demo)
+cli.add_command(persist)
+cli.add_command(steps)
 
 
 def _not_yet(name: str, why: str) -> click.Command:

@@ -30,11 +30,19 @@ from mtcfs.config import LOG_LEVELS, ConfigError, build_options
 @click.option("--token-file", metavar="FILE", help="peer RPC shared secret [not yet supported]")
 @click.option("--insecure", is_flag=True, default=None,
               help="allow peers without a token [not yet supported]")
-@click.option("--bucket", metavar="URL", help="gs://bucket[/prefix] or file:///dir "
-              "[not yet supported]")
-@click.option("--gcs-endpoint", metavar="URL", help="GCS endpoint [not yet supported]")
-@click.option("--persist", metavar="POLICY", help="on-close|step|interval:S|manual "
-              "[not yet supported]")
+@click.option("--bucket", metavar="URL",
+              help="durable tier: gs://bucket[/prefix] or file:///dir")
+@click.option("--gcs-endpoint", metavar="URL",
+              help="GCS endpoint, e.g. an emulator [default: $STORAGE_EMULATOR_HOST or Google]")
+@click.option("--persist", metavar="POLICY",
+              help="on-close | step | interval:SECONDS | manual  [default: step]")
+@click.option("--list-refresh", type=float, metavar="SECONDS",
+              help="re-list the bucket every SECONDS  [default: 30]")
+@click.option("--commit-markers", metavar="NAME[,NAME...]",
+              help="step commit markers [default: .metadata,_CHECKPOINT_METADATA,"
+                   "commit_success.txt]")
+@click.option("--tmp-patterns", metavar="PATTERN[,PATTERN...]",
+              help="temporary names, never uploaded [default: *.orbax-checkpoint-tmp*,*.tmp]")
 @click.option("--keep-steps", type=int, metavar="N", help="[not yet supported]")
 @click.option("--fsync", metavar="LEVEL", help="local|replicas|gcs [not yet supported]")
 @click.option("--metrics-port", type=int, metavar="PORT", help="[not yet supported]")

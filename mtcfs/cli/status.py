@@ -38,6 +38,24 @@ def status(mountpoint: str, as_json: bool) -> None:
     t.add_row("open handles", str(st["open_handles"]))
     t.add_row("traffic", f"{format_size(st['bytes_written'])} written, "
                          f"{format_size(st['bytes_read'])} read")
+    d = st.get("durable")
+    if d:
+        t.add_row("durable tier", f"{d['url']} (persist {d['policy']})")
+        t.add_row("uploads", f"{d['queued_files']} queued, {d['inflight_files']} in flight, "
+                             f"{format_size(d['pending_bytes'])} pending; "
+                             f"{d['uploaded_files']} files / {format_size(d['uploaded_bytes'])} "
+                             f"uploaded")
+        rt = d["readthrough"]
+        t.add_row("read-through", f"{rt['fetched_files']} files / "
+                                  f"{format_size(rt['fetched_bytes'])} fetched, "
+                                  f"{rt['integrity_errors']} checksum errors")
+        if d["conflicts"]:
+            t.add_row("conflicts", f"{d['conflicts']} files not persisted (changed elsewhere)")
+        err = d["last_error"] or rt["last_error"]
+        if err:
+            t.add_row("last error", err)
+    else:
+        t.add_row("durable tier", "none (mount with --bucket)")
     if ram["enospc"]:
         t.add_row("ENOSPC", f"{ram['enospc']} writes refused: the RAM tier was full")
     Console().print(t)

@@ -10,14 +10,14 @@ import click
 
 from mtcfs import control
 from mtcfs.cli.common import fail
+from mtcfs.cli.progress import poll_with_progress
 from mtcfs.config import mount_entry
 
 
 @click.command("umount")
 @click.argument("mountpoint", type=click.Path())
 @click.option("--wait", is_flag=True,
-              help="finish replication and uploads first (nothing is pending without "
-                   "peer or durable tiers)")
+              help="finish pending uploads to the durable tier first (progress bar)")
 @click.option("--timeout", type=float, default=60.0, show_default=True,
               help="seconds to wait for the daemon to exit")
 def umount(mountpoint: str, wait: bool, timeout: float) -> None:
@@ -44,6 +44,8 @@ def umount(mountpoint: str, wait: bool, timeout: float) -> None:
             subprocess.run(["umount", "-l", mountpoint], capture_output=True)
         click.echo(f"cleaned up the dead mount at {mountpoint}")
         return
+    if wait:
+        _wait_for_uploads(mountpoint)
     _unmount(mountpoint)
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
@@ -69,3 +71,24 @@ def _unmount(mountpoint: str) -> None:
     if r.returncode != 0:
         why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "unmount failed"
         fail(f"cannot unmount {mountpoint}: {why}")
+
+
+def _wait_for_uploads(mountpoint: str) -> None:
+    first = control.request(mountpoint, "status")["status"]["durable"]
+    if not first:
+        return
+    start_bytes = first["uploaded_bytes"]
+
+    def poll() -> dict:
+        d = control.request(mountpoint, "status")["status"]["durable"]
+        idle = (d["queued_files"] == 0 and d["inflight_files"] == 0
+                and d["pending_deletes"] == 0)
+        done = d["uploaded_bytes"] - start_bytes
+        note = f"retrying: {d['last_error'][:60]}" if d["retrying_in"] and d["last_error"] else ""
+        return {"bytes_total": done + d["pending_bytes"], "bytes_done": done, "finished": idle,
+                "note": note}
+
+    try:
+        poll_with_progress("uploading before unmount", poll)
+    except control.ControlError as e:
+        fail(str(e))

@@ -16,12 +16,17 @@ import os
 import stat
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, Inode, Namespace
 from mtcfs.integrity import StreamingCrc, crc32c_of_fd, format_crc
 from mtcfs.tiers.ram import RamTier, RamTierFull
+
+if TYPE_CHECKING:
+    from mtcfs.persist.uploader import Uploader
+    from mtcfs.readthrough import ReadThrough
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,11 @@ class Filesystem:
         # True once any file carries security.capability: until then the
         # kernel's per-write capability probe is answered without a lookup.
         self.has_caps = any(b"security.capability" in n.xattrs for n in ns.inodes.values())
+        # The durable tier, when configured (set by the daemon): the uploader
+        # is told about seals, renames and removals; read-through fetches data
+        # that is not in RAM.
+        self.uploader: Uploader | None = None
+        self.readthrough: ReadThrough | None = None
         self._recover()
 
     # -- startup ---------------------------------------------------------------
@@ -93,12 +103,18 @@ class Filesystem:
                         "file %s was open for writing when the daemon stopped: marked incomplete",
                         self.ns.path_of(node),
                     )
+                elif node.state == CLOSED and not node.has_data:
+                    pass  # in the durable tier only: read through on open
                 elif node.state == CLOSED and not self.ram.exists(node.ino) and node.size > 0:
-                    node.state = INCOMPLETE
+                    if node.generation:
+                        node.has_data = False  # still in the durable tier
+                    else:
+                        node.state = INCOMPLETE
+                        log.error("file %s lost its data in the RAM dir: marked incomplete",
+                                  self.ns.path_of(node))
                     self.ns.persist(node)
-                    log.error("file %s lost its data in the RAM dir: marked incomplete",
-                              self.ns.path_of(node))
-        adopted, orphans = self.ram.adopt({n.ino for n in self.ns.files()})
+        # A partial fetch is dropped: it is fetched again on the next open.
+        adopted, orphans = self.ram.adopt({n.ino for n in self.ns.files() if n.has_data})
         if adopted or orphans or incomplete:
             log.info("re-adopted %d files from %s (%d incomplete, %d orphaned data files removed)",
                      adopted, self.ram.root, incomplete, orphans)
@@ -174,6 +190,12 @@ class Filesystem:
                 log.error("refusing to truncate %s to %d bytes: it is incomplete; "
                           "truncate it to 0, rewrite or remove it", self.ns.path_of(node), size)
                 raise FsError(errno.EIO)
+            if not node.has_data:
+                if size == 0:
+                    self.ram.create(node.ino)
+                    node.has_data = True
+                else:
+                    await self.open_for_write(node)
             self._truncate(node, size)
             node.mtime_ns = now
             if node.writers == 0 and node.dirty:
@@ -267,6 +289,10 @@ class Filesystem:
         self.ns.unlink(parent, name)
         self._maybe_drop(node)
 
+    def _removed(self, node: Inode, path: str) -> None:
+        if self.uploader is not None and node.is_file:
+            self.uploader.on_removed(node, path)
+
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self._dir(parent_ino)
         node = self.ns.child(parent, name)
@@ -274,7 +300,9 @@ class Filesystem:
             raise FsError(errno.ENOENT)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        path = self.ns.path_of(node)
         self.ns.unlink(parent, name)
+        self._removed(node, path)
         self._maybe_drop(node)
 
     def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
@@ -297,7 +325,11 @@ class Filesystem:
                 raise FsError(errno.EINVAL)
             if target is node:
                 return
+            paths = (self.ns.path_of(node), self.ns.path_of(target))
             self.ns.rename(old_parent, old_name, new_parent, new_name, exchange=True)
+            if self.uploader is not None:
+                self.uploader.on_renamed(node, paths[0])
+                self.uploader.on_renamed(target, paths[1])
             return
         if target is not None:
             if flags & RENAME_NOREPLACE:
@@ -310,9 +342,14 @@ class Filesystem:
                 raise FsError(errno.EISDIR)
             if target.is_dir and target.children:
                 raise FsError(errno.ENOTEMPTY)
+        old_path = self.ns.path_of(node)
+        target_path = self.ns.path_of(target) if target is not None else ""
         replaced = self.ns.rename(old_parent, old_name, new_parent, new_name)
         if replaced is not None:
+            self._removed(replaced, target_path)
             self._maybe_drop(replaced)
+        if self.uploader is not None:
+            self.uploader.on_renamed(node, old_path)
 
     def link(self, node: Inode, new_parent_ino: int, new_name: bytes) -> Inode:
         # One parent per inode keeps every file's path (its key on peers and
@@ -356,19 +393,34 @@ class Filesystem:
         self._crc[node.ino] = StreamingCrc()
         return self._open_handle(node, flags), node
 
-    def open(self, node: Inode, flags: int) -> int:
+    async def open(self, node: Inode, flags: int) -> int:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if not node.is_file:
             raise FsError(errno.EINVAL)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if flags & os.O_TRUNC and writable:
+            if not node.has_data:
+                self.ram.create(node.ino)  # nothing to fetch: it is being replaced
+                node.has_data = True
             self._truncate(node, 0)
         elif node.state == INCOMPLETE:
             log.error("refusing to open %s: it is incomplete (its writer never closed it); "
                       "rewrite or remove it", self.ns.path_of(node))
             raise FsError(errno.EIO)
-        return self._open_handle(node, flags)
+        elif not node.has_data:
+            if self.readthrough is None:
+                raise FsError(errno.EIO)
+            # Start fetching now; reads wait for the ranges they need.
+            self.readthrough.start(node)
+        fh = self._open_handle(node, flags)
+        if writable and not node.has_data:
+            try:
+                await self.open_for_write(node)
+            except FsError:
+                await self.release(fh)
+                raise
+        return fh
 
     def _open_handle(self, node: Inode, flags: int) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -387,10 +439,12 @@ class Filesystem:
             raise FsError(errno.EBADF)
         return h
 
-    def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self.handle(fh)
         if h.node.state == INCOMPLETE:
             raise FsError(errno.EIO)
+        if not h.node.has_data:
+            await self._fetched(h.node, off, size)
         data = os.pread(h.fd, size, off)
         self.stats.bytes_read += len(data)
         return data
@@ -421,6 +475,24 @@ class Filesystem:
         self.stats.bytes_written += n
         return n
 
+    async def _fetched(self, node: Inode, off: int, size: int) -> None:
+        """Wait until [off, off+size) of a file being read through is verified."""
+        if self.readthrough is None:
+            raise FsError(errno.EIO)
+        try:
+            await self.readthrough.wait_range(node, off, size)
+        except OSError as e:
+            log.error("cannot read %s: %s", self.ns.path_of(node), e.strerror)
+            raise FsError(errno.EIO) from None
+
+    async def open_for_write(self, node: Inode) -> None:
+        """A writer of a file that is only in the durable tier needs all of it first."""
+        if not node.has_data and self.readthrough is not None:
+            try:
+                await self.readthrough.wait_complete(node)
+            except OSError:
+                raise FsError(errno.EIO) from None
+
     def _crc_for(self, node: Inode) -> StreamingCrc:
         crc = self._crc.get(node.ino)
         if crc is None:
@@ -437,6 +509,8 @@ class Filesystem:
             return
         self._crc_for(node)
         node.dirty = True
+        if self.uploader is not None:
+            self.uploader.on_changed(node)
         if node.state != OPEN:
             node.state = OPEN
             with self.ns.store.transaction():
@@ -499,6 +573,8 @@ class Filesystem:
         with self.ns.store.transaction():
             self.ns.persist(node)
         self.stats.seals += 1
+        if self.uploader is not None:
+            self.uploader.on_sealed(node)
 
     # -- extended attributes -----------------------------------------------------
 
@@ -514,10 +590,12 @@ class Filesystem:
             "size": node.size,
             "crc32c": format_crc(node.crc32c) if node.state == CLOSED else None,
             "version": node.version,
-            "holders": [self.node_id] if node.state != INCOMPLETE else [],
+            "holders": [self.node_id] if node.has_data and node.state != INCOMPLETE else [],
             "replicas": 0,
-            "persisted": False,
-            "tiers": ["ram"] if node.state != INCOMPLETE else [],
+            "persisted": node.persisted,
+            "generation": node.generation or None,
+            "tiers": [t for t, here in (("ram", node.has_data and node.state != INCOMPLETE),
+                                        ("gcs", node.persisted)) if here],
         }
 
     def getxattr(self, node: Inode, name: bytes) -> bytes:

@@ -212,12 +212,12 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode, flags, ctx):
-        fh = self.fs.open(self.fs.node(inode), self._open_flags(flags))
+        fh = await self.fs.open(self.fs.node(inode), self._open_flags(flags))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def read(self, fh, off, size):
         try:
-            return self.fs.read(fh, off, size)
+            return await self.fs.read(fh, off, size)
         except FsError as e:
             raise pyfuse3.FUSEError(e.errno) from None
         except OSError as e:

@@ -42,6 +42,9 @@ class Inode:
     state: str = ""
     crc32c: int | None = None
     version: int = 0
+    persisted_version: int = 0
+    generation: int = 0
+    has_data: bool = True
     children: dict[bytes, int] | None = None
     subdirs: int = 0
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
@@ -62,10 +65,14 @@ class Inode:
         return stat.S_ISREG(self.mode)
 
     @property
+    def persisted(self) -> bool:
+        return self.is_file and self.state == CLOSED and self.persisted_version == self.version
+
+    @property
     def nlink(self) -> int:
-        if self.is_dir:
-            return 2 + self.subdirs
-        return 1 if self.linked else 0
+        if not self.linked:
+            return 0  # removed (rmdir, unlink, replaced by rename) but still open
+        return 2 + self.subdirs if self.is_dir else 1
 
     def row(self) -> InodeRow:
         return InodeRow(
@@ -82,6 +89,9 @@ class Inode:
             self.state,
             self.crc32c,
             self.version,
+            self.persisted_version,
+            self.generation,
+            self.has_data,
         )
 
 
@@ -108,6 +118,7 @@ class Namespace:
             ino = Inode(
                 r.ino, r.mode, r.uid, r.gid, 0, b"", r.size, r.atime_ns, r.mtime_ns,
                 r.ctime_ns, r.rdev, r.target, r.state, r.crc32c, r.version,
+                r.persisted_version, r.generation, r.has_data,
             )
             if ino.is_dir:
                 ino.children = {}

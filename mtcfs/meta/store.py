@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -34,7 +34,10 @@ CREATE TABLE IF NOT EXISTS inodes (
     target BLOB,
     state TEXT NOT NULL,
     crc32c INTEGER,
-    version INTEGER NOT NULL DEFAULT 0
+    version INTEGER NOT NULL DEFAULT 0,
+    persisted_version INTEGER NOT NULL DEFAULT 0,
+    generation INTEGER NOT NULL DEFAULT 0,
+    has_data INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS dentries (
     parent INTEGER NOT NULL,
@@ -43,6 +46,10 @@ CREATE TABLE IF NOT EXISTS dentries (
     PRIMARY KEY (parent, name)
 );
 CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
+CREATE TABLE IF NOT EXISTS pending_deletes (
+    key TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS xattrs (
     ino INTEGER NOT NULL,
     name BLOB NOT NULL,
@@ -52,8 +59,18 @@ CREATE TABLE IF NOT EXISTS xattrs (
 """
 
 _INODE_COLS = (
-    "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version"
+    "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version,"
+    " persisted_version, generation, has_data"
 )
+_INODE_PARAMS = ",".join("?" * len(_INODE_COLS.split(",")))
+# Columns added after schema 1, for databases written by older versions.
+_MIGRATIONS = {
+    1: [
+        "ALTER TABLE inodes ADD COLUMN persisted_version INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN has_data INTEGER NOT NULL DEFAULT 1",
+    ],
+}
 
 
 @dataclass
@@ -71,6 +88,9 @@ class InodeRow:
     state: str
     crc32c: int | None
     version: int
+    persisted_version: int = 0  # the version last confirmed by the durable tier
+    generation: int = 0  # that object's generation in the durable tier (0: none)
+    has_data: bool = True  # the whole content is in the RAM tier
 
 
 class MetaStore:
@@ -81,15 +101,28 @@ class MetaStore:
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=OFF")
+        row = self._schema_version()
+        if row is not None and int(row) < SCHEMA_VERSION:
+            for version in range(int(row), SCHEMA_VERSION):
+                for stmt in _MIGRATIONS.get(version, []):
+                    self.db.execute(stmt)
+            self.db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
+            row = str(SCHEMA_VERSION)
         self.db.executescript(_SCHEMA)
-        row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         if row is None:
             self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
+        elif int(row) != SCHEMA_VERSION:
             raise RuntimeError(
-                f"metadata database {path} has schema {row[0]}, this mtcfs needs {SCHEMA_VERSION}"
+                f"metadata database {path} has schema {row}, this mtcfs needs {SCHEMA_VERSION}"
             )
         self._depth = 0
+
+    def _schema_version(self) -> str | None:
+        try:
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        except sqlite3.OperationalError:
+            return None  # a new database
+        return None if row is None else str(row[0])
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -115,7 +148,9 @@ class MetaStore:
 
     def load_inodes(self) -> Iterator[InodeRow]:
         for row in self.db.execute(f"SELECT {_INODE_COLS} FROM inodes"):
-            yield InodeRow(*row)
+            r = InodeRow(*row)
+            r.has_data = bool(r.has_data)
+            yield r
 
     def load_dentries(self) -> Iterator[tuple[int, bytes, int]]:
         yield from self.db.execute("SELECT parent, name, ino FROM dentries")
@@ -127,7 +162,7 @@ class MetaStore:
 
     def put_inode(self, r: InodeRow) -> None:
         self.db.execute(
-            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES ({_INODE_PARAMS})",
             (
                 r.ino,
                 r.mode,
@@ -142,6 +177,9 @@ class MetaStore:
                 r.state,
                 r.crc32c,
                 r.version,
+                r.persisted_version,
+                r.generation,
+                int(r.has_data),
             ),
         )
 
@@ -161,3 +199,14 @@ class MetaStore:
 
     def delete_xattr(self, ino: int, name: bytes) -> None:
         self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))
+
+    # -- durable-tier deletions still to do (survive restarts) ----------------------
+
+    def add_pending_delete(self, key: str, generation: int) -> None:
+        self.db.execute("INSERT OR REPLACE INTO pending_deletes VALUES (?,?)", (key, generation))
+
+    def remove_pending_delete(self, key: str) -> None:
+        self.db.execute("DELETE FROM pending_deletes WHERE key=?", (key,))
+
+    def load_pending_deletes(self) -> list[tuple[str, int]]:
+        return list(self.db.execute("SELECT key, generation FROM pending_deletes"))

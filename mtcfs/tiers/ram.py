@@ -17,6 +17,8 @@ import errno
 import logging
 import os
 
+import trio
+
 log = logging.getLogger(__name__)
 
 
@@ -29,7 +31,11 @@ class RamTier:
     def __init__(self, root: str, capacity: int) -> None:
         self.root = root
         self.data_dir = os.path.join(root, "data")
+        self.trash_dir = os.path.join(root, "trash")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        os.makedirs(self.trash_dir, mode=0o700, exist_ok=True)
+        self._trash_seq = 0
+        self.trash_added = trio.Event()
         self.capacity = capacity
         self.used = 0
         self._charged: dict[int, int] = {}
@@ -72,13 +78,32 @@ class RamTier:
         return entry[0] if entry else None
 
     def remove(self, ino: int) -> None:
+        """Drop a file's data. Unlinking a multi-GiB tmpfs file takes a second,
+        so the file is only renamed into trash/ here and unlinked by
+        empty_trash() in a worker thread, never on the thread serving FUSE."""
         entry = self._fds.pop(ino, None)
         if entry is not None:
             os.close(entry[0])
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(ino))
+        self._trash_seq += 1
+        try:
+            os.rename(self.path(ino), os.path.join(self.trash_dir, f"{ino}.{self._trash_seq}"))
+            self.trash_added.set()
+        except FileNotFoundError:
+            pass
         self._set_charge(ino, 0)
         self._charged.pop(ino, None)
+
+    async def empty_trash(self) -> None:
+        """Runs for the daemon's lifetime: unlinks trashed data off the event loop."""
+        while True:
+            await self.trash_added.wait()
+            self.trash_added = trio.Event()
+            await trio.to_thread.run_sync(self._empty_trash_now)
+
+    def _empty_trash_now(self) -> None:
+        for name in os.listdir(self.trash_dir):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.trash_dir, name))
 
     # -- data path -------------------------------------------------------------
 
@@ -112,6 +137,10 @@ class RamTier:
         self._set_charge(ino, actual)
         return actual
 
+    def reserve(self, ino: int, amount: int) -> None:
+        """Charge a file for data about to arrive (a fetch), before it is written."""
+        self._set_charge(ino, max(self._charged.get(ino, 0), amount))
+
     def charged(self, ino: int) -> int:
         return self._charged.get(ino, 0)
 
@@ -125,6 +154,7 @@ class RamTier:
         """Account for the data files of `keep`; delete the others (orphans).
 
         Returns (files adopted, orphans removed)."""
+        self._empty_trash_now()
         adopted = removed = 0
         for name in os.listdir(self.data_dir):
             try:

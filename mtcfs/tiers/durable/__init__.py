@@ -5,6 +5,14 @@
     info = tier.put_file("step-100/shard-0", "/dev/shm/...", crc, if_generation_match=0)
     tier.download("step-100/shard-0", fd)
 
+Chunk-verified reads: record per-chunk crc32cs in the object's metadata at upload,
+and download() reports each chunk with on_verified(offset, length) once it checked:
+
+    chunk, crcs = chunk_crcs_of_fd(src_fd, size)      # one pass; crc_of_chunks() = whole
+    tier.put_file(key, path, crc_of_chunks(chunk, crcs, size),
+                  metadata={CHUNK_META_KEY: encode_chunk_meta(chunk, crcs)})
+    tier.download(key, fd, on_verified=lambda off, n: ...)
+
 See base.DurableTier for the contract shared by both backends.
 """
 
@@ -15,28 +23,47 @@ import re
 from urllib.parse import unquote, urlsplit
 
 from mtcfs.tiers.durable.base import (
+    CHUNK_META_KEY,
     DurableError,
     DurableTier,
     IntegrityError,
+    Metadata,
     ObjectInfo,
     ObjectNotFound,
+    OnVerified,
     PreconditionFailed,
     Progress,
     Unavailable,
+    chunk_crcs_of_fd,
+    chunk_size_for,
+    crc_of_chunks,
+    decode_chunk_meta,
+    encode_chunk_meta,
     validate_key,
+    validate_metadata,
 )
 
 __all__ = [
+    "CHUNK_META_KEY",
     "DurableError",
     "DurableTier",
     "IntegrityError",
+    "Metadata",
     "ObjectInfo",
     "ObjectNotFound",
+    "OnVerified",
     "PreconditionFailed",
     "Progress",
     "Unavailable",
+    "chunk_crcs_of_fd",
+    "chunk_size_for",
+    "crc_of_chunks",
+    "decode_chunk_meta",
+    "encode_chunk_meta",
     "open_durable",
+    "parse_url",
     "validate_key",
+    "validate_metadata",
 ]
 
 # GCS bucket names: 3-63 characters (up to 222 with dots), lowercase, digits, - _ .
@@ -44,15 +71,9 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _USAGE = "expected gs://bucket[/prefix] or file:///absolute/dir"
 
 
-def open_durable(url: str, endpoint: str | None = None, *,
-                 retry_deadline: float | None = None) -> DurableTier:
-    """The durable tier for `url`. Does no I/O on file:// and no request on gs://
-    (call check() for that); raises DurableError for a URL it cannot use.
-
-    endpoint: a GCS endpoint such as an emulator (http://127.0.0.1:4443); default
-    STORAGE_EMULATOR_HOST, else Google. retry_deadline: seconds one GCS request
-    keeps retrying through an outage before Unavailable is raised.
-    """
+def parse_url(url: str) -> tuple[str, str, str]:
+    """Validate a durable-tier URL without any I/O: ("gs", bucket, prefix) with
+    prefix "" or ending in "/", or ("file", "", absolute path). DurableError if bad."""
     if url.startswith("gs://"):
         rest = url[len("gs://"):]
         bucket, _, prefix = rest.partition("/")
@@ -65,10 +86,7 @@ def open_durable(url: str, endpoint: str | None = None, *,
             except ValueError as e:
                 raise DurableError(f"invalid prefix in {url!r}: {e}") from None
             prefix += "/"
-        from mtcfs.tiers.durable.gcs import DEFAULT_RETRY_DEADLINE, GcsTier
-
-        return GcsTier(bucket, prefix, endpoint=endpoint,
-                       retry_deadline=retry_deadline or DEFAULT_RETRY_DEADLINE)
+        return "gs", bucket, prefix
     if url.startswith("file:"):
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
@@ -78,7 +96,25 @@ def open_durable(url: str, endpoint: str | None = None, *,
         path = os.path.normpath(unquote(parts.path))
         if path == "/":
             raise DurableError(f"refusing the root directory as durable tier: {url!r}")
-        from mtcfs.tiers.durable.localdir import LocalDirTier
-
-        return LocalDirTier(path)
+        return "file", "", path
     raise DurableError(f"unsupported durable-tier URL {url!r}: {_USAGE}")
+
+
+def open_durable(url: str, endpoint: str | None = None, *,
+                 retry_deadline: float | None = None) -> DurableTier:
+    """The durable tier for `url`. Does no I/O on file:// and no request on gs://
+    (call check() for that); raises DurableError for a URL it cannot use.
+
+    endpoint: a GCS endpoint such as an emulator (http://127.0.0.1:4443); default
+    STORAGE_EMULATOR_HOST, else Google. retry_deadline: seconds one GCS request
+    keeps retrying through an outage before Unavailable is raised.
+    """
+    kind, bucket, where = parse_url(url)
+    if kind == "gs":
+        from mtcfs.tiers.durable.gcs import DEFAULT_RETRY_DEADLINE, GcsTier
+
+        return GcsTier(bucket, where, endpoint=endpoint,
+                       retry_deadline=retry_deadline or DEFAULT_RETRY_DEADLINE)
+    from mtcfs.tiers.durable.localdir import LocalDirTier
+
+    return LocalDirTier(where)

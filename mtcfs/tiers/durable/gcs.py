@@ -11,6 +11,10 @@
   goes in the object metadata, so GCS rejects data that does not match it; the
   crc32c and size GCS returns are compared with ours as well, and only then
   does the upload count.
+- Custom metadata (put_file's `metadata`, e.g. per-chunk crc32cs) goes in the
+  same object resource as the crc32c: in the multipart request, or when the
+  resumable session is created. So it is atomic with the data: no reader ever
+  sees the object without it. The stored metadata is compared with ours too.
 - Retries: every request is retried with exponential backoff and full jitter on
   429, 408, 5xx, timeouts and dropped connections, for at most `retry_deadline`
   seconds per request (the longest outage tolerated). Uploads with a generation
@@ -31,12 +35,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import requests
 import urllib3
@@ -57,11 +62,13 @@ from mtcfs.tiers.durable.base import (
     MiB,
     ObjectInfo,
     ObjectNotFound,
+    OnVerified,
     PreconditionFailed,
     Progress,
     RangeWriter,
     Unavailable,
     validate_key,
+    validate_metadata,
     validate_prefix,
     verified_download,
 )
@@ -79,7 +86,7 @@ CHECK_TIMEOUT = 8.0
 MAX_SESSION_RESTARTS = 3
 OCTET_STREAM = "application/octet-stream"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
-_LIST_FIELDS = "items(name,size,crc32c,generation,updated),nextPageToken"
+_LIST_FIELDS = "items(name,size,crc32c,generation,updated,metadata),nextPageToken"
 _TRANSIENT_CODES = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     ConnectionError,
@@ -250,6 +257,7 @@ class GcsTier(DurableTier):
             crc32c=crc_from_b64(blob.crc32c),
             generation=int(blob.generation or 0),
             updated=updated.timestamp() if updated is not None else 0.0,
+            metadata=blob.metadata or {},
         )
 
     def _error(self, exc: BaseException, what: str) -> DurableError:
@@ -317,8 +325,10 @@ class GcsTier(DurableTier):
 
     def put_file(self, key: str, path: str, crc32c: int, *,
                  if_generation_match: int | None = None,
-                 progress: Progress | None = None) -> ObjectInfo:
+                 progress: Progress | None = None,
+                 metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         name = self._name(key)
+        meta = validate_metadata(metadata)
         if if_generation_match is not None:
             cur = self.stat(key)
             if (cur.generation if cur else 0) != if_generation_match:
@@ -334,8 +344,8 @@ class GcsTier(DurableTier):
             restarts = 0
             while True:
                 try:
-                    return self._upload_once(key, name, fd, size, crc32c, if_generation_match,
-                                             progress)
+                    return self._upload_once(key, name, fd, size, crc32c, meta,
+                                             if_generation_match, progress)
                 except _SessionLost as e:
                     why = str(e)
                 except _SourceShrank:
@@ -345,7 +355,8 @@ class GcsTier(DurableTier):
                     # A retried request whose first attempt did land reports 412 although
                     # our bytes are stored: accept an object that is exactly our data.
                     cur = self.stat(key)
-                    if cur is not None and cur.crc32c == crc32c and cur.size == size:
+                    if (cur is not None and cur.crc32c == crc32c and cur.size == size
+                            and cur.metadata == meta):
                         return cur
                     raise PreconditionFailed(
                         f"{self.url}: put {key}: generation precondition failed (live "
@@ -368,11 +379,15 @@ class GcsTier(DurableTier):
             os.close(fd)
 
     def _upload_once(self, key: str, name: str, fd: int, size: int, crc32c: int,
-                     if_generation_match: int | None, progress: Progress | None) -> ObjectInfo:
+                     meta: dict[str, str], if_generation_match: int | None,
+                     progress: Progress | None) -> ObjectInfo:
         blob = self._bucket.blob(name)
         # In the object metadata of both the multipart and the resumable upload,
-        # so the server verifies the bytes against our checksum.
+        # so the server verifies the bytes against our checksum, and the custom
+        # metadata is created together with the data.
         blob.crc32c = crc_to_b64(crc32c)
+        if meta:
+            blob.metadata = meta
         if size <= self.resumable_threshold:
             data = os.pread(fd, size, 0) if size else b""
             blob.upload_from_string(
@@ -402,6 +417,11 @@ class GcsTier(DurableTier):
             raise IntegrityError(
                 f"{self.url}: put {key}: server stored {info.size} bytes with crc32c {got}, "
                 f"expected {size} bytes with {crc32c:08x} (file changed while uploading?)")
+        if info.metadata != meta:
+            # Chunk crcs that do not describe the data must not stay with it.
+            self._delete_generation(blob, info.generation)
+            raise DurableError(f"{self.url}: put {key}: server stored other custom metadata "
+                               f"than sent ({sorted(info.metadata)} for {sorted(meta)})")
         return info
 
     def _delete_generation(self, blob: Blob, generation: int) -> None:
@@ -476,7 +496,8 @@ class GcsTier(DurableTier):
 
     def download(self, key: str, dest_fd: int, *, chunk_size: int = DEFAULT_DOWNLOAD_CHUNK,
                  parallel: int = 4, progress: Progress | None = None,
-                 generation: int | None = None) -> ObjectInfo:
+                 generation: int | None = None,
+                 on_verified: OnVerified | None = None) -> ObjectInfo:
         name = self._name(key)
         info = self._stat_name(name, generation)
         if info is None:
@@ -491,15 +512,15 @@ class GcsTier(DurableTier):
                                   timeout=self.timeout, retry=self._retry())
 
         try:
-            crc = verified_download(self.url, key, dest_fd, info.crc32c, info.size,
-                                    chunk_size, parallel, fetch, progress)
+            crc = verified_download(self.url, key, dest_fd, info, chunk_size, parallel, fetch,
+                                    progress, on_verified)
         except gexc.NotFound:
             raise ObjectNotFound(f"{self.url}: download {key}: generation {info.generation} "
                                  f"was replaced or deleted during the download") from None
         except Exception as e:
             raise self._error(e, f"download {key}") from None
         if info.crc32c is None:
-            return ObjectInfo(info.key, info.size, crc, info.generation, info.updated)
+            return dataclasses.replace(info, crc32c=crc)
         return info
 
     def _stat_name(self, name: str, generation: int | None = None) -> ObjectInfo | None:

@@ -6,6 +6,10 @@ itself (so the filesystem must support `user.*` xattrs; check() verifies it):
 
     user.mtcfs.crc32c       8 lowercase hex digits
     user.mtcfs.generation   decimal; max(time_ns(), previous + 1), so it grows per key
+    user.mtcfs.meta         custom metadata, if any: a JSON object of strings; zlib-
+                            compressed JSON where the filesystem refuses the plain
+                            value (ext4 keeps all of a file's xattrs in one 4 KiB
+                            block; chunk crcs of a large object take ~4 KiB)
 
 Keeping them on the inode makes a put atomic as a whole: data is written to a
 temporary name `.mtcfs-tmp-*` in the target directory, checksummed while copied
@@ -27,15 +31,18 @@ Reserved names: a top-level `.mtcfs-locks` and any path segment starting with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
+import json
+import logging
 import os
 import stat as statmod
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import google_crc32c
 
@@ -47,16 +54,23 @@ from mtcfs.tiers.durable.base import (
     MiB,
     ObjectInfo,
     ObjectNotFound,
+    OnVerified,
     PreconditionFailed,
     Progress,
     RangeWriter,
     validate_key,
+    validate_metadata,
     validate_prefix,
     verified_download,
 )
 
+log = logging.getLogger(__name__)
+
 XATTR_CRC = "user.mtcfs.crc32c"
 XATTR_GEN = "user.mtcfs.generation"
+XATTR_META = "user.mtcfs.meta"
+# setxattr errors meaning "value too large here" (ext4: ENOSPC; others: E2BIG, ERANGE).
+_XATTR_TOO_BIG = frozenset({errno.ENOSPC, errno.E2BIG, errno.ERANGE})
 LOCK_DIR = ".mtcfs-locks"
 TMP_PREFIX = ".mtcfs-tmp-"
 LOCK_STRIPES = 256
@@ -141,7 +155,43 @@ class LocalDirTier(DurableTier):
 
     def _info_of(self, key: str, fd: int, st: os.stat_result) -> ObjectInfo:
         crc, gen = self._meta(fd, st)
-        return ObjectInfo(key, st.st_size, crc, gen, st.st_mtime)
+        return ObjectInfo(key, st.st_size, crc, gen, st.st_mtime, self._custom_meta(key, fd))
+
+    def _custom_meta(self, key: str, fd: int) -> dict[str, str]:
+        """The metadata xattr; {} if absent or unreadable (the object is then
+        treated like a foreign one, which is safe: it is verified as a whole)."""
+        try:
+            raw = os.getxattr(fd, XATTR_META)
+        except OSError:
+            return {}
+        try:
+            if not raw.startswith(b"{"):
+                raw = zlib.decompress(raw)
+            meta = json.loads(raw)
+        except (zlib.error, ValueError):
+            meta = None
+        if not isinstance(meta, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            log.warning("%s: %s: unreadable %s xattr, ignored", self.url, key, XATTR_META)
+            return {}
+        return meta
+
+    def _set_custom_meta(self, key: str, fd: int, meta: dict[str, str]) -> None:
+        raw = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+        try:
+            os.setxattr(fd, XATTR_META, raw)
+            return
+        except OSError as e:
+            if e.errno not in _XATTR_TOO_BIG:
+                raise
+        try:
+            os.setxattr(fd, XATTR_META, zlib.compress(raw, 9))  # starts with 0x78, not "{"
+        except OSError as e:
+            if e.errno not in _XATTR_TOO_BIG:
+                raise
+            raise DurableError(f"{self.url}: put {key}: the filesystem cannot hold "
+                               f"{len(raw)} bytes of metadata in an extended attribute: "
+                               f"{e.strerror}") from None
 
     def _live_generation(self, path: str) -> int | None:
         opened = self._open(path)
@@ -226,8 +276,10 @@ class LocalDirTier(DurableTier):
 
     def put_file(self, key: str, path: str, crc32c: int, *,
                  if_generation_match: int | None = None,
-                 progress: Progress | None = None) -> ObjectInfo:
+                 progress: Progress | None = None,
+                 metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         dest = self._path(key)
+        meta = validate_metadata(metadata)
         if if_generation_match is not None:
             self._precondition("put", key, dest, if_generation_match)  # fail before copying
         try:
@@ -244,6 +296,8 @@ class LocalDirTier(DurableTier):
                     f"{self.url}: put {key}: source data has crc32c {crc:08x}, expected "
                     f"{crc32c:08x} (file changed or corrupted while copying); not stored")
             os.setxattr(tmp_fd, XATTR_CRC, f"{crc:08x}".encode())
+            if meta:  # on the temp file, so the rename publishes data and metadata at once
+                self._set_custom_meta(key, tmp_fd, meta)
             os.fsync(tmp_fd)  # the data is durable before it gets its final name
             with self._locked(key):
                 live = self._live_generation(dest)
@@ -259,7 +313,7 @@ class LocalDirTier(DurableTier):
                 tmp = ""
                 _fsync_dir(os.path.dirname(dest))
             st = os.fstat(tmp_fd)
-            return ObjectInfo(key, size, crc, gen, st.st_mtime)
+            return ObjectInfo(key, size, crc, gen, st.st_mtime, meta)
         except OSError as e:
             raise self._fail(f"put {key}", e) from None
         finally:
@@ -323,7 +377,8 @@ class LocalDirTier(DurableTier):
 
     def download(self, key: str, dest_fd: int, *, chunk_size: int = DEFAULT_DOWNLOAD_CHUNK,
                  parallel: int = 4, progress: Progress | None = None,
-                 generation: int | None = None) -> ObjectInfo:
+                 generation: int | None = None,
+                 on_verified: OnVerified | None = None) -> ObjectInfo:
         path = self._path(key)
         opened = self._open(path)  # the open fd pins this version against renames over it
         if opened is None:
@@ -343,14 +398,14 @@ class LocalDirTier(DurableTier):
                         return  # short: the file was truncated in place; caught as short read
                     w.write(data)
 
-            crc = verified_download(self.url, key, dest_fd, info.crc32c, info.size,
-                                    chunk_size, parallel, fetch, progress)
+            crc = verified_download(self.url, key, dest_fd, info, chunk_size, parallel, fetch,
+                                    progress, on_verified)
         except OSError as e:
             raise self._fail(f"download {key}", e) from None
         finally:
             os.close(fd)
         if info.crc32c is None:
-            return ObjectInfo(key, info.size, crc, info.generation, info.updated)
+            return dataclasses.replace(info, crc32c=crc)
         return info
 
     def stat(self, key: str) -> ObjectInfo | None:

@@ -1,0 +1,150 @@
+"""What the daemon answers on its control socket (see mtcfs.control).
+
+Every request returns at once: long operations (persist, drain) are started
+here and their progress is polled by the CLI, which draws the progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mtcfs import __version__
+from mtcfs.config import MountOptions
+from mtcfs.fs.filesystem import Filesystem
+from mtcfs.fs.namespace import CLOSED, ROOT, Inode
+from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
+
+Reply = dict[str, Any]
+
+
+class ControlHandler:
+    def __init__(self, fs: Filesystem, opts: MountOptions, started: float,
+                 shutdown: Callable[[], None]) -> None:
+        self.fs = fs
+        self.opts = opts
+        self.started = started
+        self.shutdown = shutdown
+
+    async def __call__(self, req: dict[str, Any]) -> Reply:
+        op = req.get("op")
+        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        if handler is None:
+            return {"ok": False, "error": f"unknown request {op!r}"}
+        return handler(req)
+
+    def op_status(self, req: dict[str, Any]) -> Reply:
+        st = self.fs.status()
+        st.update(
+            mountpoint=self.opts.mountpoint,
+            pid=os.getpid(),
+            version=__version__,
+            uptime=round(time.time() - self.started, 1),
+            health="ok",
+        )
+        up, rt = self.fs.uploader, self.fs.readthrough
+        if up is not None and rt is not None:
+            st["durable"] = {**up.status(), "readthrough": rt.status()}
+            if up.stats.last_error and not up.idle() and up.status()["retrying_in"]:
+                st["health"] = "degraded"
+        else:
+            st["durable"] = None
+        return {"ok": True, "status": st}
+
+    def op_shutdown(self, req: dict[str, Any]) -> Reply:
+        self.shutdown()
+        return {"ok": True}
+
+    # -- persist ------------------------------------------------------------------
+
+    def _resolve(self, paths: list[str]) -> list[Inode]:
+        """Files named by mount-relative paths (directories: every file below)."""
+        ns = self.fs.ns
+        out: list[Inode] = []
+        for p in paths or [""]:
+            node = ns.inodes[ROOT]
+            for comp in [c for c in p.split("/") if c and c != "."]:
+                child = ns.child(node, comp.encode("utf-8", "surrogateescape")) \
+                    if node.is_dir else None
+                if child is None:
+                    raise FileNotFoundError(f"{p}: no such file or directory in the mount")
+                node = child
+            out.extend(files_under(ns, node) if node.is_dir else [node])
+        return out
+
+    def op_persist(self, req: dict[str, Any]) -> Reply:
+        up = self.fs.uploader
+        if up is None:
+            return {"ok": False, "error": "this mount has no durable tier (mount with --bucket)"}
+        try:
+            nodes = self._resolve([str(p) for p in req.get("paths") or []])
+        except FileNotFoundError as e:
+            return {"ok": False, "error": str(e)}
+        files = [n for n in nodes if n.state == CLOSED]
+        skipped = len(nodes) - len(files)
+        up.request(files)
+        return {"ok": True, "inos": [n.ino for n in files], "skipped_open": skipped,
+                "files": len(files), "bytes": sum(n.size for n in files)}
+
+    def op_persist_progress(self, req: dict[str, Any]) -> Reply:
+        up = self.fs.uploader
+        if up is None:
+            return {"ok": False, "error": "this mount has no durable tier"}
+        nodes = [n for ino in req.get("inos") or [] if (n := self.fs.ns.get(int(ino)))]
+        live = [n for n in nodes if n.linked]
+        done = [n for n in live if n.persisted]
+        failed = {self.fs.ns.path_of(n): up.failed[n.ino] for n in live if n.ino in up.failed}
+        # A file that is neither done, queued, in flight nor failed was changed
+        # again (its next seal queues it) or removed: it no longer counts.
+        waiting = [n for n in live if not n.persisted and n.ino not in up.failed]
+        return {
+            "ok": True,
+            "files_total": len(live),
+            "files_done": len(done),
+            "bytes_total": sum(n.size for n in live),
+            "bytes_done": sum(n.size for n in done) + min(
+                up.stats.inflight_bytes_done, sum(n.size for n in waiting)),
+            "failed": failed,
+            "last_error": up.stats.last_error or None,
+            "retrying_in": up.status()["retrying_in"],
+            "finished": not waiting,
+        }
+
+    # -- steps --------------------------------------------------------------------
+
+    def op_steps(self, req: dict[str, Any]) -> Reply:
+        ns = self.fs.ns
+        up = self.fs.uploader
+        rules = up.rules if up is not None else StepRules()
+        steps = []
+        newest_safe = None
+        for d in all_steps(ns, rules):
+            files = [f for f in files_under(ns, d) if f.linked]
+            complete = rules.is_committed_step(ns, d)
+            persisted = bool(files) and all(f.persisted for f in files)
+            entry = {
+                "path": ns.path_of(d),
+                "step": step_number(d.name),
+                "complete": complete,
+                "temporary": rules.is_temporary(ns, d),
+                "files": len(files),
+                "bytes": sum(f.size for f in files),
+                "open_files": sum(1 for f in files if f.state != CLOSED),
+                "in_ram": bool(files) and all(f.has_data for f in files),
+                "files_in_ram": sum(1 for f in files if f.has_data),
+                "persisted": persisted,
+                "files_persisted": sum(1 for f in files if f.persisted),
+                "replicas_min": 0,
+                "mtime": d.mtime_ns / 1e9,
+            }
+            steps.append(entry)
+            if complete and persisted:
+                key = (entry["step"] if entry["step"] is not None else -1, entry["mtime"])
+                if newest_safe is None or key > newest_safe[0]:
+                    newest_safe = (key, entry["path"])
+        steps.sort(key=lambda e: (e["step"] if e["step"] is not None else -1, e["mtime"]))
+        return {"ok": True, "steps": steps,
+                "newest_complete_safe": newest_safe[1] if newest_safe else None,
+                "durable": up.tier.url if up is not None else None}

@@ -1,0 +1,299 @@
+"""Read-through from the durable tier: the bucket's tree merged into the
+namespace, and files fetched into the RAM tier when they are opened.
+
+Listing policy: the whole prefix is listed when the daemon starts (before the
+mount is announced live, so a fresh mount over a bucket shows every step at
+once) and again every `refresh` seconds in the background. A refresh adds
+objects that appeared and picks up newer generations of files this node holds
+only as persisted copies; it never removes or overwrites local changes.
+
+Fetching: an open of a file whose data is not in RAM starts one background
+download into the RAM tier, in chunks fetched in parallel. Each chunk is
+verified against the per-chunk crc32c recorded at upload before any reader
+sees it, so reads start before the whole file has arrived; objects written by
+other tools (no per-chunk checksums) are served once the whole object's crc32c
+has matched. Bad data is never served.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+
+from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
+from mtcfs.tiers.durable import DurableError, DurableTier, IntegrityError, ObjectInfo
+from mtcfs.tiers.ram import RamTier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REFRESH = 30.0
+NAME_MAX = 255
+
+
+@dataclass
+class Fetch:
+    """One file's download: verified byte ranges, and who waits for them."""
+
+    size: int
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # merged [start, end)
+    changed: trio.Event = field(default_factory=trio.Event)
+    error: str | None = None
+    done: bool = False
+    bytes: int = 0
+
+    def add(self, off: int, length: int) -> None:
+        self.bytes += length
+        start, end = off, off + length
+        merged = []
+        for s, e in self.ranges:
+            if e < start or s > end:
+                merged.append((s, e))
+            else:
+                start, end = min(s, start), max(e, end)
+        merged.append((start, end))
+        self.ranges = sorted(merged)
+        self._wake()
+
+    def fail(self, msg: str) -> None:
+        self.error = msg
+        self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def covers(self, start: int, end: int) -> bool:
+        if start >= end:
+            return True
+        return any(s <= start and end <= e for s, e in self.ranges)
+
+
+@dataclass
+class Stats:
+    fetched_files: int = 0
+    fetched_bytes: int = 0
+    integrity_errors: int = 0
+    errors: int = 0
+    last_error: str = ""
+    listed_objects: int = 0
+    last_refresh: float = 0.0
+
+
+class ReadThrough:
+    def __init__(self, ns: Namespace, ram: RamTier, tier: DurableTier,
+                 refresh: float = DEFAULT_REFRESH, parallel: int = 4) -> None:
+        self.ns = ns
+        self.ram = ram
+        self.tier = tier
+        self.refresh = refresh
+        self.parallel = parallel
+        self.fetches: dict[int, Fetch] = {}
+        self.stats = Stats()
+        self._nursery: trio.Nursery | None = None
+
+    # -- the tree ----------------------------------------------------------------
+
+    async def load(self, pending_deletes: set[str], full: bool = True) -> int:
+        objects = await trio.to_thread.run_sync(lambda: list(self.tier.list("")))
+        self.stats.listed_objects = len(objects)
+        self.stats.last_refresh = time.time()
+        return self.merge(objects, pending_deletes, full)
+
+    def merge(self, objects: list[ObjectInfo], pending_deletes: set[str], full: bool) -> int:
+        """Bring the namespace in line with a listing; returns files added or updated."""
+        changed = 0
+        seen: set[int] = set()
+        with self.ns.store.transaction():
+            for obj in objects:
+                if obj.key in pending_deletes or obj.key.endswith("/"):
+                    continue
+                node = self._merge_object(obj)
+                if node is not None:
+                    seen.add(node.ino)
+                    changed += 1
+            if full:
+                self._forget_vanished(seen)
+        return changed
+
+    def _merge_object(self, obj: ObjectInfo) -> Inode | None:
+        parts = [p.encode("utf-8", "surrogateescape") for p in obj.key.split("/")]
+        if any(len(p) > NAME_MAX for p in parts):
+            log.warning("skipping bucket object %s: a name is longer than %d bytes", obj.key,
+                        NAME_MAX)
+            return None
+        d = self.ns.inodes[ROOT]
+        for comp in parts[:-1]:
+            child = self.ns.child(d, comp)
+            if child is None:
+                child = self.ns.new_inode(d, comp, stat.S_IFDIR | 0o755, 0, 0)
+            elif not child.is_dir:
+                log.warning("skipping bucket object %s: %s is a file here", obj.key,
+                            self.ns.path_of(child))
+                return None
+            d = child
+        node = self.ns.child(d, parts[-1])
+        if node is None:
+            node = self.ns.new_inode(d, parts[-1], stat.S_IFREG | 0o644, 0, 0)
+            self._take_remote(node, obj)
+            node.has_data = False
+            self.ns.persist(node)
+            return node
+        if not node.is_file:
+            log.warning("skipping bucket object %s: a directory has that name here", obj.key)
+            return None
+        if node.generation == obj.generation:
+            return node
+        if node.state == CLOSED and node.crc32c == obj.crc32c and node.size == obj.size:
+            # The same bytes (e.g. our upload landed just before a crash): adopt it.
+            node.generation = obj.generation
+            node.persisted_version = node.version
+        elif node.persisted and not node.opens:
+            # A newer object written elsewhere replaces our persisted copy.
+            if node.has_data:
+                self.ram.remove(node.ino)
+            self._take_remote(node, obj)
+            node.version += 1
+            node.persisted_version = node.version
+            node.has_data = False
+        else:
+            log.warning("bucket object %s differs from the local, unpersisted file: keeping "
+                        "the local one", obj.key)
+            return node
+        self.ns.persist(node)
+        return node
+
+    @staticmethod
+    def _take_remote(node: Inode, obj: ObjectInfo) -> None:
+        node.state = CLOSED
+        node.size = obj.size
+        node.crc32c = obj.crc32c
+        node.generation = obj.generation
+        node.version = max(node.version, 1)
+        node.persisted_version = node.version
+        node.mtime_ns = node.ctime_ns = int(obj.updated * 1e9)
+
+    def _forget_vanished(self, seen: set[int]) -> None:
+        """Files we knew as persisted whose objects are gone from the bucket."""
+        for node in list(self.ns.files()):
+            if node.ino in seen or not node.generation or not node.linked:
+                continue
+            node.generation = 0
+            node.persisted_version = 0
+            if node.has_data or node.opens:
+                self.ns.persist(node)  # ours is now the only copy: persisted again per policy
+            else:
+                log.warning("%s is gone from the bucket and not in RAM: removing it",
+                            self.ns.path_of(node))
+                self.ns.unlink(self.ns.inodes[node.parent], node.name)
+                self.ns.drop(node)
+
+    async def refresh_loop(self, pending_deletes: set[str]) -> None:
+        while True:
+            await trio.sleep(self.refresh)
+            try:
+                await self.load(pending_deletes, full=False)
+            except (DurableError, OSError) as e:
+                self._error(f"listing {self.tier.url}: {e}")
+
+    # -- fetching ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await trio.sleep_forever()
+
+    def start(self, node: Inode) -> Fetch:
+        f = self.fetches.get(node.ino)
+        if f is not None and f.error is None:
+            return f
+        free = self.ram.capacity - self.ram.used
+        f = self.fetches[node.ino] = Fetch(node.size)
+        if node.size > free:
+            f.fail(f"RAM tier full: {node.size} bytes needed, {free} free")
+            return f
+        assert self._nursery is not None
+        self.ram.create(node.ino)
+        self.ram.reserve(node.ino, node.size)
+        self._nursery.start_soon(self._fetch, node, f)
+        return f
+
+    async def _fetch(self, node: Inode, f: Fetch) -> None:
+        key = self.ns.path_of(node)
+        token = trio.lowlevel.current_trio_token()
+        fd = self.ram.acquire(node.ino)
+
+        def on_verified(off: int, length: int) -> None:
+            trio.from_thread.run_sync(f.add, off, length, trio_token=token)
+
+        t0 = time.monotonic()
+        try:
+            await trio.to_thread.run_sync(partial(
+                self.tier.download, key, fd, parallel=self.parallel, on_verified=on_verified,
+                generation=node.generation))
+        except IntegrityError as e:
+            self.stats.integrity_errors += 1
+            self._error(f"{key}: {e}")
+            f.fail(str(e))
+        except (DurableError, OSError) as e:
+            self._error(f"fetching {key}: {e}")
+            f.fail(str(e))
+        else:
+            if self.ns.get(node.ino) is node and not node.dirty:
+                node.has_data = True
+                with self.ns.store.transaction():
+                    self.ns.persist(node)
+            self.stats.fetched_files += 1
+            self.stats.fetched_bytes += node.size
+            log.info("fetched %s from %s (%d bytes) in %.2f s", key, self.tier.url, node.size,
+                     time.monotonic() - t0)
+            f.finish()
+        finally:
+            self.ram.release(node.ino)
+            self.ram.reconcile(node.ino)
+            if f.error is not None:
+                self.ram.remove(node.ino)
+            if f.done or f.error:
+                self.fetches.pop(node.ino, None)
+
+    async def wait_range(self, node: Inode, off: int, size: int) -> None:
+        end = min(off + size, node.size)
+        f = self.fetches.get(node.ino) or self.start(node)
+        while not node.has_data and not f.covers(off, end):
+            if f.error is not None:
+                raise OSError(errno.EIO, f.error)
+            await f.changed.wait()
+
+    async def wait_complete(self, node: Inode) -> None:
+        await self.wait_range(node, 0, node.size)
+        f = self.fetches.get(node.ino)
+        while f is not None and not f.done and not node.has_data:
+            if f.error is not None:
+                raise OSError(errno.EIO, f.error)
+            await f.changed.wait()
+
+    def _error(self, msg: str) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = msg
+        log.error("%s", msg)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "fetching": len(self.fetches),
+            "fetched_files": self.stats.fetched_files,
+            "fetched_bytes": self.stats.fetched_bytes,
+            "integrity_errors": self.stats.integrity_errors,
+            "errors": self.stats.errors,
+            "last_error": self.stats.last_error or None,
+            "listed_objects": self.stats.listed_objects,
+            "refresh_seconds": self.refresh,
+        }
