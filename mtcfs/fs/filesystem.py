@@ -595,8 +595,15 @@ class Filesystem:
             "persisted": node.persisted,
             "generation": node.generation or None,
             "tiers": [t for t, here in (("ram", node.has_data and node.state != INCOMPLETE),
-                                        ("gcs", node.persisted)) if here],
+                                        (self.durable_name, node.persisted)) if here],
         }
+
+    @property
+    def durable_name(self) -> str:
+        """The durable tier's name in `tiers`: "gcs" for gs://, "file" for file://."""
+        if self.uploader is None:
+            return "durable"
+        return "gcs" if self.uploader.tier.url.startswith("gs:") else "file"
 
     def getxattr(self, node: Inode, name: bytes) -> bytes:
         if name == STATE_XATTR:
