@@ -1,0 +1,621 @@
+"""POSIX semantics of one mtcfs mount, one behaviour per test.
+
+Each test checks content, errno, checksums or file states — what a
+checkpointer (torch DCP, Orbax/tensorstore, numpy) relies on. Documented
+differences from a local filesystem: hard links are refused with EPERM (every
+file has exactly one path, its key on peers and in the bucket), and the
+`user.mtcfs.*` extended attributes are virtual.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import mmap
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import google_crc32c
+import pytest
+
+from conftest import mtcfs
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                            ctypes.c_uint]
+
+
+def renameat2(src: Path, dst: Path, flags: int) -> None:
+    if _libc.renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def crc(data: bytes) -> int:
+    return google_crc32c.value(data)
+
+
+def state_crc(mnt, rel: str) -> int:
+    st = mnt.state(rel)
+    assert st["state"] == "closed", st
+    return int(st["crc32c"], 16)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 15, what: str = "condition") -> None:
+    """Poll for something the kernel does asynchronously after close() returns
+    (FUSE release and forget are not synchronous with close)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def drop_cache(fd: int) -> None:
+    """Drop the kernel's cached pages, so the next read is served by the daemon."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        for d in dirnames:
+            out[str(rel / d)] = None
+        for f in filenames:
+            out[str(rel / f)] = (Path(dirpath) / f).read_bytes()
+    return out
+
+
+# -- rename ---------------------------------------------------------------------
+
+
+def test_rename_nonempty_directory_tree(mnt):
+    src = mnt.path / "step.orbax-checkpoint-tmp"
+    files = {
+        "_CHECKPOINT_METADATA": b"{}",
+        "ocdbt.process_0/d/abc": os.urandom(300_000),
+        "ocdbt.process_1/d/def": os.urandom(5000),
+        "array_metadatas/process_0": b"meta",
+    }
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    (src / "empty").mkdir()
+    before = tree(src)
+    os.rename(src, mnt.path / "100")
+    assert not src.exists()
+    assert tree(mnt.path / "100") == before
+    assert sorted(os.listdir(mnt.path)) == ["100"]
+    for rel, data in files.items():
+        st = mnt.state(f"100/{rel}")
+        assert st["path"] == f"100/{rel}"
+        assert st["state"] == "closed" and int(st["crc32c"], 16) == crc(data)
+    # nlink of directories follows the subdirectories that moved.
+    assert os.stat(mnt.path / "100").st_nlink == 2 + 4
+    assert os.stat(mnt.path).st_nlink == 2 + 1
+
+
+def test_rename_over_existing_file_replaces_it(mnt):
+    (mnt.path / "a").write_bytes(b"new content")
+    (mnt.path / "b").write_bytes(b"old content that is longer")
+    os.rename(mnt.path / "a", mnt.path / "b")
+    assert os.listdir(mnt.path) == ["b"]
+    assert (mnt.path / "b").read_bytes() == b"new content"
+    assert state_crc(mnt, "b") == crc(b"new content")
+    wait_until(lambda: mnt.status()["files"] == 1, what="the replaced file to be dropped")
+
+
+def test_rename_noreplace_gives_eexist(mnt):
+    (mnt.path / "a").write_bytes(b"A")
+    (mnt.path / "b").write_bytes(b"B")
+    with pytest.raises(OSError) as e:
+        renameat2(mnt.path / "a", mnt.path / "b", RENAME_NOREPLACE)
+    assert e.value.errno == errno.EEXIST
+    assert (mnt.path / "a").read_bytes() == b"A" and (mnt.path / "b").read_bytes() == b"B"
+    renameat2(mnt.path / "a", mnt.path / "c", RENAME_NOREPLACE)
+    assert sorted(os.listdir(mnt.path)) == ["b", "c"]
+    assert (mnt.path / "c").read_bytes() == b"A"
+
+
+def test_rename_exchange_swaps_file_and_directory(mnt):
+    (mnt.path / "f").write_bytes(b"file data")
+    (mnt.path / "d").mkdir()
+    (mnt.path / "d" / "inner").write_bytes(b"inner data")
+    renameat2(mnt.path / "f", mnt.path / "d", RENAME_EXCHANGE)
+    assert (mnt.path / "f").is_dir() and (mnt.path / "d").is_file()
+    assert (mnt.path / "d").read_bytes() == b"file data"
+    assert (mnt.path / "f" / "inner").read_bytes() == b"inner data"
+    assert mnt.state("f/inner")["path"] == "f/inner"
+    assert mnt.state("d")["path"] == "d"
+    with pytest.raises(OSError) as e:
+        renameat2(mnt.path / "d", mnt.path / "missing", RENAME_EXCHANGE)
+    assert e.value.errno == errno.ENOENT
+    with pytest.raises(OSError) as e:  # a directory into its own subtree
+        renameat2(mnt.path / "f", mnt.path / "f" / "inner", RENAME_EXCHANGE)
+    assert e.value.errno == errno.EINVAL
+
+
+def test_rename_directory_errors(mnt):
+    (mnt.path / "d" / "sub").mkdir(parents=True)
+    (mnt.path / "e" / "x").mkdir(parents=True)
+    (mnt.path / "f").write_bytes(b"f")
+    cases = [
+        ("d", "d/sub/d", errno.EINVAL),  # into its own subdirectory
+        ("d", "e", errno.ENOTEMPTY),  # over a non-empty directory
+        ("d", "f", errno.ENOTDIR),  # a directory over a file
+        ("f", "e", errno.EISDIR),  # a file over a directory
+    ]
+    for src, dst, err in cases:
+        with pytest.raises(OSError) as e:
+            os.rename(mnt.path / src, mnt.path / dst)
+        assert e.value.errno == err, (src, dst)
+    os.rename(mnt.path / "d", mnt.path / "e" / "x")  # over an empty directory
+    assert sorted(os.listdir(mnt.path)) == ["e", "f"]
+    assert os.listdir(mnt.path / "e" / "x") == ["sub"]
+
+
+def test_rename_of_open_file(mnt):
+    """tensorstore: write `<name>.__lock`, rename the still-open file, write
+    on, fsync it and the directory."""
+    part1, part2 = os.urandom(3 * MiB + 17), os.urandom(MiB)
+    (mnt.path / "d").mkdir()
+    fd = os.open(mnt.path / "d" / "x.__lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert os.write(fd, part1) == len(part1)
+        os.rename(mnt.path / "d" / "x.__lock", mnt.path / "d" / "x")
+        assert os.write(fd, part2) == len(part2)
+        os.fsync(fd)
+        assert mnt.state("d/x")["state"] == "open"
+        dfd = os.open(mnt.path / "d", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(fd)
+    assert os.listdir(mnt.path / "d") == ["x"]
+    fd = os.open(mnt.path / "d" / "x", os.O_RDONLY)
+    try:
+        drop_cache(fd)
+        assert os.pread(fd, len(part1) + len(part2) + 1, 0) == part1 + part2
+    finally:
+        os.close(fd)
+    st = mnt.state("d/x")
+    assert st["path"] == "d/x" and st["size"] == len(part1) + len(part2)
+    assert state_crc(mnt, "d/x") == crc(part1 + part2)
+
+
+def test_unlink_of_open_file(mnt):
+    data = os.urandom(64 * MiB)
+    (mnt.path / "big").write_bytes(data)
+    used_before = mnt.status()["ram"]["used"]
+    assert used_before >= len(data)
+    fd = os.open(mnt.path / "big", os.O_RDONLY)
+    try:
+        os.unlink(mnt.path / "big")
+        assert not (mnt.path / "big").exists()
+        assert os.fstat(fd).st_nlink == 0
+        drop_cache(fd)
+        assert os.pread(fd, len(data), 0) == data  # served by the daemon after unlink
+        # Still held while open.
+        assert mnt.status()["ram"]["used"] >= len(data)
+    finally:
+        os.close(fd)
+    wait_until(lambda: mnt.status()["ram"]["used"] <= used_before - len(data),
+               what="the unlinked file's space to be released")
+    wait_until(lambda: mnt.status()["files"] == 0, what="the unlinked inode to be dropped")
+
+
+def test_removed_directory_still_open(mnt):
+    (mnt.path / "d").mkdir()
+    (mnt.path / "e" / "sub").mkdir(parents=True)
+    (mnt.path / "f").mkdir()
+    fd_d = os.open(mnt.path / "d", os.O_RDONLY | os.O_DIRECTORY)
+    fd_f = os.open(mnt.path / "f", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert os.fstat(fd_d).st_nlink == 2
+        os.rmdir(mnt.path / "d")
+        os.rename(mnt.path / "e", mnt.path / "f")  # replaces the empty, open "f"
+        assert os.fstat(fd_d).st_nlink == 0
+        assert os.fstat(fd_f).st_nlink == 0
+        assert os.listdir(fd_d) == []
+        with pytest.raises(OSError) as e:
+            os.mkdir("x", dir_fd=fd_d)
+        assert e.value.errno == errno.ENOENT
+    finally:
+        os.close(fd_d)
+        os.close(fd_f)
+    assert sorted(os.listdir(mnt.path)) == ["f"]
+    assert os.listdir(mnt.path / "f") == ["sub"] and os.stat(mnt.path / "f").st_nlink == 3
+
+
+def test_o_append_from_two_fds(mnt):
+    (mnt.path / "log").write_bytes(b"start\n")
+    fd1 = os.open(mnt.path / "log", os.O_WRONLY | os.O_APPEND)
+    fd2 = os.open(mnt.path / "log", os.O_WRONLY | os.O_APPEND)
+    expected = b"start\n"
+    try:
+        for i in range(50):
+            fd, tag = (fd1, b"one") if i % 3 else (fd2, b"two")
+            rec = tag + b"-%d-" % i + b"x" * (i * 97) + b"\n"
+            assert os.write(fd, rec) == len(rec)
+            expected += rec
+            assert os.lseek(fd, 0, os.SEEK_CUR) == len(expected)
+    finally:
+        os.close(fd1)
+        os.close(fd2)
+    assert (mnt.path / "log").read_bytes() == expected
+    fd = os.open(mnt.path / "log", os.O_RDONLY)
+    try:
+        drop_cache(fd)
+        assert os.pread(fd, len(expected) + 1, 0) == expected  # what the daemon stored
+    finally:
+        os.close(fd)
+    assert state_crc(mnt, "log") == crc(expected)
+
+
+# -- sparse files and mmap ---------------------------------------------------------
+
+
+def test_sparse_file_beyond_4gib(mnt):
+    off = 5 * GiB
+    data = os.urandom(MiB)
+    with open(mnt.path / "sparse", "wb") as f:
+        f.seek(off)
+        f.write(data)
+    st = os.stat(mnt.path / "sparse")
+    assert st.st_size == off + len(data)
+    assert st.st_blocks * 512 < 8 * MiB, st.st_blocks  # the hole takes no space
+    # Read the whole logical content back in chunks. Every chunk of the hole
+    # must be zeros, so its crc32c is that of a zero buffer of the same size.
+    chunk = 64 * MiB
+    zeros = bytes(chunk)
+    buf = bytearray(chunk)
+    content_crc = 0
+    pos = 0
+    with open(mnt.path / "sparse", "rb", buffering=0) as f:
+        while pos < off:
+            if off - pos < len(buf):
+                buf = bytearray(off - pos)
+            n = f.readinto(buf)
+            assert n == len(buf), f"short read at {pos}: {n} of {len(buf)}"
+            assert buf == zeros[:n], f"hole not zero in [{pos}, {pos + n})"
+            content_crc = google_crc32c.extend(content_crc, zeros if n == chunk else bytes(n))
+            pos += n
+        tail = f.read()
+    assert tail == data
+    content_crc = google_crc32c.extend(content_crc, tail)
+    assert state_crc(mnt, "sparse") == content_crc
+    assert mnt.state("sparse")["size"] == off + len(data)
+
+
+def test_shared_mmap_write(mnt):
+    size = 3 * MiB + 123
+    base = os.urandom(size)
+    (mnt.path / "m").write_bytes(base)
+    expected = bytearray(base)
+    fd = os.open(mnt.path / "m", os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            for off in (0, 4096 * 3 + 5, MiB, size - 100):
+                patch = os.urandom(100)
+                mm[off:off + 100] = patch
+                expected[off:off + 100] = patch
+            mm.flush()  # msync(MS_SYNC)
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+    fd = os.open(mnt.path / "m", os.O_RDONLY)
+    try:
+        drop_cache(fd)
+        assert os.pread(fd, size + 1, 0) == bytes(expected)
+    finally:
+        os.close(fd)
+    assert state_crc(mnt, "m") == crc(bytes(expected))
+
+
+# -- links -----------------------------------------------------------------------------
+
+
+def test_symlink_and_readlink(mnt):
+    (mnt.path / "d").mkdir()
+    (mnt.path / "d" / "target").write_bytes(b"through the link")
+    os.symlink("d/target", mnt.path / "link")
+    os.symlink("/nonexistent/absolute", mnt.path / "dangling")
+    assert os.readlink(mnt.path / "link") == "d/target"
+    assert os.readlink(mnt.path / "dangling") == "/nonexistent/absolute"
+    assert stat.S_ISLNK(os.lstat(mnt.path / "link").st_mode)
+    assert os.lstat(mnt.path / "link").st_size == len("d/target")
+    assert (mnt.path / "link").read_bytes() == b"through the link"
+    assert not (mnt.path / "dangling").exists()
+    with pytest.raises(OSError) as e:
+        os.readlink(mnt.path / "d" / "target")
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as e:
+        os.symlink("x", mnt.path / "link")
+    assert e.value.errno == errno.EEXIST
+    os.rename(mnt.path / "link", mnt.path / "d" / "link2")
+    assert os.readlink(mnt.path / "d" / "link2") == "d/target"
+    os.unlink(mnt.path / "dangling")
+    assert sorted(os.listdir(mnt.path)) == ["d"]
+
+
+def test_hard_link_is_refused_with_eperm(mnt):
+    """Documented: one path per file (its key on peers and in the bucket)."""
+    (mnt.path / "f").write_bytes(b"x")
+    with pytest.raises(OSError) as e:
+        os.link(mnt.path / "f", mnt.path / "g")
+    assert e.value.errno == errno.EPERM
+    assert os.listdir(mnt.path) == ["f"] and os.stat(mnt.path / "f").st_nlink == 1
+
+
+# -- statfs, xattrs ---------------------------------------------------------------------
+
+
+def test_statfs_reflects_ram_size_and_usage(mnt):
+    before = os.statvfs(mnt.path)
+    assert before.f_blocks * before.f_frsize == 2 * GiB
+    assert before.f_namemax == 255
+    chunk = os.urandom(MiB)
+    with open(mnt.path / "f", "wb") as f:
+        for _ in range(100):
+            f.write(chunk)
+    after = os.statvfs(mnt.path)
+    assert after.f_blocks == before.f_blocks
+    dropped = (before.f_bfree - after.f_bfree) * after.f_frsize
+    assert 100 * MiB <= dropped <= 101 * MiB
+    assert after.f_bavail == after.f_bfree
+    assert after.f_files - after.f_ffree > before.f_files - before.f_ffree
+    os.unlink(mnt.path / "f")
+    wait_until(lambda: os.statvfs(mnt.path).f_bfree == before.f_bfree,
+               what="free space to come back after unlink")
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_xattrs(mnt, kind):
+    p = mnt.path / "x"
+    if kind == "file":
+        p.write_bytes(b"data")
+    else:
+        p.mkdir()
+    assert os.listxattr(p) == []
+    with pytest.raises(OSError) as e:
+        os.getxattr(p, "user.missing")
+    assert e.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as e:
+        os.removexattr(p, "user.missing")
+    assert e.value.errno == errno.ENODATA
+    os.setxattr(p, "user.a", b"1")
+    os.setxattr(p, "user.b", b"\x00binary\xff" * 100)
+    os.setxattr(p, "user.empty", b"")
+    assert sorted(os.listxattr(p)) == ["user.a", "user.b", "user.empty"]
+    assert os.getxattr(p, "user.a") == b"1"
+    assert os.getxattr(p, "user.b") == b"\x00binary\xff" * 100
+    assert os.getxattr(p, "user.empty") == b""
+    with pytest.raises(OSError) as e:
+        os.setxattr(p, "user.a", b"2", os.XATTR_CREATE)
+    assert e.value.errno == errno.EEXIST
+    with pytest.raises(OSError) as e:
+        os.setxattr(p, "user.c", b"2", os.XATTR_REPLACE)
+    assert e.value.errno == errno.ENODATA
+    os.setxattr(p, "user.a", b"replaced", os.XATTR_REPLACE)
+    assert os.getxattr(p, "user.a") == b"replaced"
+    os.removexattr(p, "user.b")
+    assert sorted(os.listxattr(p)) == ["user.a", "user.empty"]
+    with pytest.raises(OSError) as e:
+        os.getxattr(p, "user.b")
+    assert e.value.errno == errno.ENODATA
+    # They follow the file through a rename.
+    os.rename(p, mnt.path / "y")
+    assert os.getxattr(mnt.path / "y", "user.a") == b"replaced"
+
+
+def test_state_xattr_is_virtual(mnt):
+    p = mnt.path / "f"
+    p.write_bytes(b"payload")
+    os.setxattr(p, "user.real", b"v")
+    assert os.listxattr(p) == ["user.real"]
+    st = json.loads(os.getxattr(p, "user.mtcfs.state"))
+    assert {"state", "size", "crc32c", "version", "holders", "replicas", "persisted"} <= set(st)
+    assert st["size"] == 7 and int(st["crc32c"], 16) == crc(b"payload")
+    for name in ("user.mtcfs.state", "user.mtcfs.other"):
+        with pytest.raises(OSError) as e:
+            os.setxattr(p, name, b"{}")
+        assert e.value.errno == errno.EPERM
+        with pytest.raises(OSError) as e:
+            os.removexattr(p, name)
+        assert e.value.errno == errno.EPERM
+    assert json.loads(os.getxattr(p, "user.mtcfs.state")) == st
+    assert os.listxattr(mnt.path) == []  # the root's control attribute is not listed either
+
+
+# -- permissions and attributes -------------------------------------------------------------
+
+_CHILD = r"""
+import errno, json, os
+out = {}
+for name, flags in (("secret", os.O_RDONLY), ("public", os.O_RDONLY), ("public", os.O_WRONLY),
+                    ("new", os.O_WRONLY | os.O_CREAT)):
+    try:
+        fd = os.open(name, flags, 0o644)
+        out[f"{name}:{flags}"] = os.read(fd, 100).decode() if flags == os.O_RDONLY else "ok"
+        os.close(fd)
+    except OSError as e:
+        out[f"{name}:{flags}"] = errno.errorcode[e.errno]
+print(json.dumps(out))
+"""
+
+
+def test_permissions_enforced_for_other_users(make_mount):
+    mnt = make_mount(extra=("-o", "allow_other"))
+    secret, public = mnt.path / "secret", mnt.path / "public"
+    secret.write_bytes(b"top secret")
+    os.chmod(secret, 0o600)
+    public.write_bytes(b"for everyone")
+    os.chmod(public, 0o644)
+    # cwd is entered as root before the child drops to uid 65534 (the path
+    # above the mountpoint is not searchable by other users).
+    # The venv's interpreter may live where uid 65534 cannot reach it.
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    r = subprocess.run([python, "-c", _CHILD], cwd=mnt.path, user=65534, group=65534,
+                       extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got == {
+        f"secret:{os.O_RDONLY}": "EACCES",
+        f"public:{os.O_RDONLY}": "for everyone",
+        f"public:{os.O_WRONLY}": "EACCES",
+        f"new:{os.O_WRONLY | os.O_CREAT}": "EACCES",  # the root directory is 0755 root
+    }
+    assert not (mnt.path / "new").exists()
+
+
+def test_chmod_chown_utime(mnt):
+    p = mnt.path / "f"
+    p.write_bytes(b"x")
+    (mnt.path / "d").mkdir()
+    os.chmod(p, 0o640)
+    os.chown(p, 1234, 5678)
+    os.utime(p, ns=(1_000_000_123, 2_000_000_456))
+    st = os.stat(p)
+    assert stat.S_IMODE(st.st_mode) == 0o640 and stat.S_ISREG(st.st_mode)
+    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_123, 2_000_000_456)
+    os.chmod(mnt.path / "d", 0o2750)
+    os.chown(mnt.path / "d", 42, 43)
+    st = os.stat(mnt.path / "d")
+    assert stat.S_IMODE(st.st_mode) == 0o2750 and stat.S_ISDIR(st.st_mode)
+    assert (st.st_uid, st.st_gid) == (42, 43)
+    # setgid directory: new entries inherit its group.
+    (mnt.path / "d" / "g").write_bytes(b"")
+    assert os.stat(mnt.path / "d" / "g").st_gid == 43
+    # Content and state unaffected by attribute changes.
+    assert p.read_bytes() == b"x" and state_crc(mnt, "f") == crc(b"x")
+    before = os.stat(p).st_ctime_ns
+    os.chmod(p, 0o600)
+    assert os.stat(p).st_ctime_ns >= before
+
+
+def test_fsync_file_and_directory(mnt):
+    (mnt.path / "d").mkdir()
+    fd = os.open(mnt.path / "d" / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"durable")
+        os.fsync(fd)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    for d in (mnt.path / "d", mnt.path):
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    assert (mnt.path / "d" / "f").read_bytes() == b"durable"
+
+
+# -- file lifecycle ----------------------------------------------------------------------------
+
+
+def test_state_transitions(mnt):
+    p = mnt.path / "shard.distcp"
+    v1 = os.urandom(2 * MiB)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, v1)
+        assert mnt.state("shard.distcp")["state"] == "open"
+        assert mnt.state("shard.distcp")["crc32c"] is None
+    finally:
+        os.close(fd)
+    st = mnt.state("shard.distcp")
+    assert st["state"] == "closed" and st["size"] == len(v1)
+    assert int(st["crc32c"], 16) == crc(v1)
+    version = st["version"]
+    # Reading does not make a new version.
+    assert p.read_bytes() == v1
+    assert mnt.state("shard.distcp")["version"] == version
+    # A rewrite does.
+    v2 = os.urandom(MiB)
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, v2)
+        assert mnt.state("shard.distcp")["state"] == "open"
+    finally:
+        os.close(fd)
+    st = mnt.state("shard.distcp")
+    assert st["state"] == "closed" and st["size"] == len(v2)
+    assert int(st["crc32c"], 16) == crc(v2)
+    assert st["version"] == version + 1
+    # An in-place overwrite (out of order) is sealed with a full pass.
+    with open(p, "r+b") as f:
+        f.seek(1000)
+        f.write(b"patch")
+    v3 = v2[:1000] + b"patch" + v2[1005:]
+    st = mnt.state("shard.distcp")
+    assert int(st["crc32c"], 16) == crc(v3) and st["version"] == version + 2
+    # truncate(2) on a closed file seals it again.
+    os.truncate(p, 10)
+    st = mnt.state("shard.distcp")
+    assert st["state"] == "closed" and int(st["crc32c"], 16) == crc(v3[:10])
+    assert st["version"] == version + 3
+
+
+# -- running out of space -------------------------------------------------------------------------
+
+
+def test_enospc_and_daemon_survives(make_mount):
+    mnt = make_mount(ram_size="64MiB")
+    chunk = os.urandom(MiB)
+    failure: OSError | None = None
+    written = 0
+    fd = os.open(mnt.path / "too-big", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            for _ in range(100):
+                written += os.write(fd, chunk)
+            os.fsync(fd)  # with the writeback cache, the error may surface here
+        except OSError as e:
+            failure = e
+    finally:
+        try:
+            os.close(fd)  # ... or here
+        except OSError as e:
+            failure = failure or e
+    assert failure is not None, f"wrote {written} bytes into a 64 MiB RAM tier without error"
+    assert failure.errno == errno.ENOSPC, failure
+    # The daemon still serves.
+    assert mnt.proc.poll() is None
+    status = mnt.status()
+    assert status["ram"]["enospc"] > 0
+    assert status["ram"]["used"] <= status["ram"]["capacity"]
+    (mnt.path / "too-big").unlink()
+    small = os.urandom(4 * MiB)
+    (mnt.path / "small").write_bytes(small)
+    assert (mnt.path / "small").read_bytes() == small
+    assert state_crc(mnt, "small") == crc(small)
+    r = mtcfs("status", str(mnt.path))
+    assert r.returncode == 0, r.stderr
+    # Space came back: a file of most of the capacity fits again.
+    wait_until(lambda: mnt.status()["ram"]["used"] <= len(small) + MiB,
+               what="the failed file's space to be released")
+    big = os.urandom(48 * MiB)
+    (mnt.path / "fits").write_bytes(big)
+    assert state_crc(mnt, "fits") == crc(big)
