@@ -47,7 +47,9 @@ class ControlHandler:
         up, rt = self.fs.uploader, self.fs.readthrough
         if up is not None and rt is not None:
             st["durable"] = {**up.status(), "readthrough": rt.status()}
-            if up.stats.last_error and not up.idle() and up.status()["retrying_in"]:
+            # Failing now: backing off, or a tier call retrying through an outage.
+            recent = time.time() - up.stats.last_error_time < 30
+            if up.stats.last_error and not up.idle() and (up.status()["retrying_in"] or recent):
                 st["health"] = "degraded"
         else:
             st["durable"] = None

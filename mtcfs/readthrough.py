@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import time
 from dataclasses import dataclass, field
 from functools import partial
 
+import pyfuse3
 import trio
 
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
@@ -100,6 +102,7 @@ class ReadThrough:
         self.fetches: dict[int, Fetch] = {}
         self.stats = Stats()
         self._nursery: trio.Nursery | None = None
+        self._replaced: list[int] = []  # files whose content a merge replaced
 
     # -- the tree ----------------------------------------------------------------
 
@@ -107,7 +110,20 @@ class ReadThrough:
         objects = await trio.to_thread.run_sync(lambda: list(self.tier.list("")))
         self.stats.listed_objects = len(objects)
         self.stats.last_refresh = time.time()
-        return self.merge(objects, pending_deletes, full)
+        changed = self.merge(objects, pending_deletes, full)
+        await self._invalidate_replaced()
+        return changed
+
+    async def _invalidate_replaced(self) -> None:
+        """The kernel caches the attributes (60 s) and, with keep_cache, the data of
+        files whose object a refresh replaced: make it forget them. From a worker
+        thread, as pyfuse3.invalidate_inode may block on writeback."""
+        inos, self._replaced = self._replaced, []
+        for ino in inos:
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino)
+            except OSError as e:
+                log.debug("invalidating inode %d: %s", ino, e)  # ENOENT: nothing cached
 
     def merge(self, objects: list[ObjectInfo], pending_deletes: set[str], full: bool) -> int:
         """Bring the namespace in line with a listing; returns files added or updated."""
@@ -159,12 +175,16 @@ class ReadThrough:
             node.persisted_version = node.version
         elif node.persisted and not node.opens:
             # A newer object written elsewhere replaces our persisted copy.
-            if node.has_data:
+            if node.has_data or node.ino in self.fetches:
+                # A fetch of the old generation in flight goes on into the removed
+                # file; the next open fetches the new one.
+                self.fetches.pop(node.ino, None)
                 self.ram.remove(node.ino)
             self._take_remote(node, obj)
             node.version += 1
             node.persisted_version = node.version
             node.has_data = False
+            self._replaced.append(node.ino)
         else:
             log.warning("bucket object %s differs from the local, unpersisted file: keeping "
                         "the local one", obj.key)
@@ -229,8 +249,20 @@ class ReadThrough:
 
     async def _fetch(self, node: Inode, f: Fetch) -> None:
         key = self.ns.path_of(node)
+        generation = node.generation
         token = trio.lowlevel.current_trio_token()
-        fd = self.ram.acquire(node.ino)
+        # A private fd, not the handles' shared one: unlinking the file while it is
+        # fetched closes that (ram.remove), and the download threads would then write
+        # into whatever file or socket reuses the fd number.
+        fd = os.open(self.ram.path(node.ino), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        dest = os.fstat(fd).st_ino
+
+        def still_the_data_file() -> bool:
+            """False once the file was replaced (O_TRUNC, truncate to 0) or removed."""
+            try:
+                return os.stat(self.ram.path(node.ino)).st_ino == dest
+            except FileNotFoundError:
+                return False
 
         def on_verified(off: int, length: int) -> None:
             trio.from_thread.run_sync(f.add, off, length, trio_token=token)
@@ -239,7 +271,7 @@ class ReadThrough:
         try:
             await trio.to_thread.run_sync(partial(
                 self.tier.download, key, fd, parallel=self.parallel, on_verified=on_verified,
-                generation=node.generation))
+                generation=generation))
         except IntegrityError as e:
             self.stats.integrity_errors += 1
             self._error(f"{key}: {e}")
@@ -248,7 +280,8 @@ class ReadThrough:
             self._error(f"fetching {key}: {e}")
             f.fail(str(e))
         else:
-            if self.ns.get(node.ino) is node and not node.dirty:
+            if (self.ns.get(node.ino) is node and node.linked and not node.dirty
+                    and node.generation == generation and still_the_data_file()):
                 node.has_data = True
                 with self.ns.store.transaction():
                     self.ns.persist(node)
@@ -258,12 +291,15 @@ class ReadThrough:
                      time.monotonic() - t0)
             f.finish()
         finally:
-            self.ram.release(node.ino)
+            os.close(fd)
             self.ram.reconcile(node.ino)
-            if f.error is not None:
+            if ((f.error is not None or not node.linked) and self.ram.fd(node.ino) is None
+                    and still_the_data_file()):
                 self.ram.remove(node.ino)
-            if f.done or f.error:
-                self.fetches.pop(node.ino, None)
+            # else open handles share this RAM file's fd: it stays (emptied by the
+            # failed download) and a retry fetches into the same file.
+            if (f.done or f.error) and self.fetches.get(node.ino) is f:
+                self.fetches.pop(node.ino)
 
     async def wait_range(self, node: Inode, off: int, size: int) -> None:
         end = min(off + size, node.size)

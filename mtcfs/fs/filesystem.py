@@ -192,7 +192,7 @@ class Filesystem:
                 raise FsError(errno.EIO)
             if not node.has_data:
                 if size == 0:
-                    self.ram.create(node.ino)
+                    self.ram.replace(node.ino)  # a fetch in flight must not write into it
                     node.has_data = True
                 else:
                     await self.open_for_write(node)
@@ -401,7 +401,9 @@ class Filesystem:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if flags & os.O_TRUNC and writable:
             if not node.has_data:
-                self.ram.create(node.ino)  # nothing to fetch: it is being replaced
+                # Nothing to fetch: it is being replaced. A new RAM file, so that a
+                # fetch already in flight cannot write old bytes into the new data.
+                self.ram.replace(node.ino)
                 node.has_data = True
             self._truncate(node, 0)
         elif node.state == INCOMPLETE:
@@ -445,7 +447,13 @@ class Filesystem:
             raise FsError(errno.EIO)
         if not h.node.has_data:
             await self._fetched(h.node, off, size)
-        data = os.pread(h.fd, size, off)
+            data = os.pread(h.fd, size, off)
+            if len(data) < min(size, h.node.size - off):
+                # The download failed (and emptied the file) after this range was
+                # verified: a short read would look like the end of the file.
+                raise FsError(errno.EIO)
+        else:
+            data = os.pread(h.fd, size, off)
         self.stats.bytes_read += len(data)
         return data
 

@@ -210,3 +210,10 @@ class MetaStore:
 
     def load_pending_deletes(self) -> list[tuple[str, int]]:
         return list(self.db.execute("SELECT key, generation FROM pending_deletes"))
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))

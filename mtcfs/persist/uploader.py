@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -40,6 +41,7 @@ from mtcfs.tiers.durable.base import (
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 30.0
+REQUESTED_KEY = "persist_requested"  # metadata store: inos `mtcfs persist` asked for
 
 
 class FileChangedError(Exception):
@@ -71,15 +73,25 @@ class Uploader:
         self.inflight: dict[int, Inode] = {}
         self.failed: dict[int, str] = {}  # conflicts that need a person
         self.deletes: dict[str, int] = dict(ns.store.load_pending_deletes())
+        self._deleting: set[str] = set()  # deletes running now
+        self._marker_deletes = {k for k in self.deletes if self._is_marker_key(k)}
+        self._uploading: dict[int, str] = {}  # ino -> key, uploads running now
+        # Files `mtcfs persist` asked for and not yet persisted: kept in the
+        # metadata store, so a request survives a daemon crash or restart.
+        self.requested: set[int] = set(json.loads(ns.store.get_meta(REQUESTED_KEY) or "[]"))
         self.stats = Stats()
         self._lot = trio.lowlevel.ParkingLot()
         self._backoff = 0.0
         self._limiter = trio.CapacityLimiter(concurrency)
+        # Transient errors the tier retries by itself (GCS outage) show in status at once.
+        tier.on_retry = self._tier_retrying
 
     # -- notifications from the filesystem (never block) -------------------------
 
     def on_sealed(self, node: Inode) -> None:
         self.failed.pop(node.ino, None)
+        if node.ino in self.requested:
+            self._enqueue(node)  # asked for by `mtcfs persist`: also after a rewrite/rename
         if self.policy.mode is Mode.ON_CLOSE:
             if not self.rules.is_temporary(self.ns, node):
                 self._enqueue(node)
@@ -90,12 +102,14 @@ class Uploader:
                     self.commit_step(parent)
                     return
             step = self.rules.enclosing_step(self.ns, node)
-            if step is not None:  # a file added to an already committed step
-                self._enqueue(node)
+            if step is not None and not self.rules.is_temporary(self.ns, node):
+                self._enqueue(node)  # a file added to an already committed step
 
     def on_renamed(self, node: Inode, old_path: str) -> None:
         """`node` (a file or a directory) was moved from `old_path`."""
         files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
+        # Old objects of commit markers are deleted first (see _next_delete).
+        files.sort(key=lambda f: not self.rules.is_marker_name(f.name))
         new_path = self.ns.path_of(node)
         with self.ns.store.transaction():
             for f in files:
@@ -117,6 +131,7 @@ class Uploader:
         """A file was unlinked (or replaced by a rename) at `path`."""
         self.queue.pop(node.ino, None)
         self.failed.pop(node.ino, None)
+        self._unrequest(node.ino)
         if node.generation:
             with self.ns.store.transaction():
                 self._delete_later(path, node.generation)
@@ -129,7 +144,9 @@ class Uploader:
     # -- requests ----------------------------------------------------------------------
 
     def commit_step(self, d: Inode) -> int:
-        files = [f for f in files_under(self.ns, d) if f.state == CLOSED]
+        # Not files under temporary names: they are uploaded once renamed into place.
+        files = [f for f in files_under(self.ns, d)
+                 if f.state == CLOSED and not self._temporary_below(f, d)]
         # Markers last: FIFO order plus the marker gate below.
         files.sort(key=lambda f: self.rules.is_marker_name(f.name))
         for f in files:
@@ -140,21 +157,55 @@ class Uploader:
         """`mtcfs persist`: persist these files now, whatever the policy."""
         files = sorted((n for n in nodes if n.is_file and n.state == CLOSED),
                        key=lambda f: self.rules.is_marker_name(f.name))
+        wanted = {f.ino for f in files if not f.persisted}
+        if wanted - self.requested:
+            self.requested |= wanted
+            self._save_requested()
         for f in files:
             self.failed.pop(f.ino, None)
             self._enqueue(f, explicit=True)
         return len(files), sum(f.size for f in files)
 
+    def _unrequest(self, ino: int) -> None:
+        if ino in self.requested:
+            self.requested.discard(ino)
+            self._save_requested()
+
+    def _save_requested(self) -> None:
+        with self.ns.store.transaction():
+            self.ns.store.set_meta(REQUESTED_KEY, json.dumps(sorted(self.requested)))
+
     def _enqueue(self, node: Inode, explicit: bool = False) -> None:
-        if node.persisted or node.ino in self.inflight:
+        # A file already in flight is queued again: it was renamed or rewritten
+        # since its upload started, and must be uploaded (again) once that ends.
+        if node.persisted:
             return
         self.queue[node.ino] = node
         self._lot.unpark_all()
 
     def _delete_later(self, key: str, generation: int) -> None:
         self.deletes[key] = generation
+        if self._is_marker_key(key):
+            self._marker_deletes.add(key)
         self.ns.store.add_pending_delete(key, generation)
         self._lot.unpark_all()
+
+    def _is_marker_key(self, key: str) -> bool:
+        return self.rules.is_marker_name(key.rpartition("/")[2].encode("utf-8", "surrogateescape"))
+
+    def _next_delete(self) -> tuple[str, int] | None:
+        """Commit markers first, and nothing else while one is being deleted: a
+        step that loses its objects stops looking committed before it is partial."""
+        key = next(iter(self._marker_deletes), None)
+        if key is not None:
+            self._marker_deletes.discard(key)
+            if key in self.deletes:
+                return key, self.deletes.pop(key)
+            return self._next_delete()
+        if not self.deletes or any(self._is_marker_key(k) for k in self._deleting):
+            return None
+        key = next(iter(self.deletes))
+        return key, self.deletes.pop(key)
 
     def _dirs_under(self, d: Inode) -> list[Inode]:
         out, stack = [], [d]
@@ -170,14 +221,14 @@ class Uploader:
     # -- status ----------------------------------------------------------------------
 
     def pending_bytes(self) -> int:
-        return sum(n.size for n in self.queue.values()) + sum(
+        return sum(n.size for ino, n in self.queue.items() if ino not in self.inflight) + sum(
             n.size for n in self.inflight.values()) - self.stats.inflight_bytes_done
 
     def status(self) -> dict[str, Any]:
         return {
             "url": self.tier.url,
             "policy": str(self.policy),
-            "queued_files": len(self.queue),
+            "queued_files": sum(1 for ino in self.queue if ino not in self.inflight),
             "inflight_files": len(self.inflight),
             "pending_bytes": max(0, self.pending_bytes()),
             "pending_deletes": len(self.deletes),
@@ -212,6 +263,12 @@ class Uploader:
 
     def _requeue_unpersisted(self) -> None:
         """After a restart: redo what the policy wanted persisted but was not."""
+        for ino in sorted(self.requested):
+            node = self.ns.get(ino)
+            if node is None or not node.is_file or not node.linked:
+                self._unrequest(ino)
+            elif node.state == CLOSED:
+                self._enqueue(node)
         if self.policy.mode is Mode.ON_CLOSE:
             for f in self.ns.files():
                 if f.state == CLOSED and f.linked and not self.rules.is_temporary(self.ns, f):
@@ -235,58 +292,97 @@ class Uploader:
             if not node.linked or node.state != CLOSED or node.persisted:
                 del self.queue[ino]
                 continue
-            if node.writers or node.dirty:
-                continue  # being rewritten: the next seal queues it again
+            if node.dirty:
+                # Being rewritten: the next seal queues it again. (A writer that is
+                # still open but wrote nothing since the seal does not hold it back:
+                # close() seals in flush(), before release(), and nothing would
+                # wake the workers once release() drops the last writer.)
+                continue
+            if ino in self.inflight:
+                continue  # queued again while uploading: once that upload ends
             if self.rules.is_marker_name(node.name) and not self._step_ready(node):
+                continue
+            if (self.deletes or self._deleting or self._uploading) and self._delete_pending(node):
+                # The old object at this key (a file replaced by rename, or removed
+                # and created again) goes first; the new one is put "if absent".
                 continue
             del self.queue[ino]
             return node
         return None
 
+    def _delete_pending(self, node: Inode) -> bool:
+        key = self.ns.path_of(node)
+        # An upload to this key still running belongs to a file replaced since: its
+        # object is deleted once that upload ends.
+        return (key in self.deletes or key in self._deleting
+                or key in self._uploading.values())
+
     def _step_ready(self, marker: Inode) -> bool:
         """Every non-marker file in the marker's directory tree is persisted."""
         d = self.ns.inodes[marker.parent]
+        # Files under temporary names are no part of the step (and are never uploaded
+        # by the on-close and step policies): they must not hold the marker back.
         return all(f.persisted or self.rules.is_marker_name(f.name)
+                   or self._temporary_below(f, d)
                    for f in files_under(self.ns, d) if f.linked)
+
+    def _temporary_below(self, f: Inode, d: Inode) -> bool:
+        """True if `f` or a directory between it and `d` has a temporary name."""
+        node = f
+        while node.ino != d.ino and node.ino != ROOT:
+            if self.rules.is_temporary_name(node.name):
+                return True
+            node = self.ns.inodes[node.parent]
+        return False
 
     async def _worker(self) -> None:
         while True:
             if self._backoff:
                 await trio.sleep(self._backoff)
-            if self.deletes:
-                key, gen = next(iter(self.deletes.items()))
-                self.deletes.pop(key)
-                await self._delete(key, gen)
+            job = self._next_delete()
+            if job is not None:
+                key, gen = job
+                self._deleting.add(key)
+                try:
+                    await self._delete(key, gen)
+                finally:
+                    self._deleting.discard(key)
+                    self._lot.unpark_all()  # an upload to the same key may go now
                 continue
             node = self._next_job()
             if node is None:
                 await self._lot.park()
                 continue
             self.inflight[node.ino] = node
+            self._uploading[node.ino] = self.ns.path_of(node)
             try:
                 await self._upload(node)
             finally:
                 self.inflight.pop(node.ino, None)
+                self._uploading.pop(node.ino, None)
                 self._lot.unpark_all()  # a marker may be ready now
 
     async def _delete(self, key: str, gen: int) -> None:
         try:
             await trio.to_thread.run_sync(partial(self.tier.delete, key, if_generation_match=gen),
-                                          limiter=self._limiter)
+                                          limiter=self._limiter, abandon_on_cancel=True)
         except PreconditionFailed:
-            log.warning("not deleting gs object %s: it was replaced by someone else", key)
+            log.warning("not deleting object %s: it was replaced by someone else", key)
         except (Unavailable, DurableError, OSError) as e:
             self.deletes.setdefault(key, gen)
+            if self._is_marker_key(key):
+                self._marker_deletes.add(key)
             self._failed_attempt(f"delete {key}: {e}")
             return
         self.stats.deletes += 1
         self._backoff = 0.0
-        with self.ns.store.transaction():
-            self.ns.store.remove_pending_delete(key)
+        if key not in self.deletes:  # not removed again meanwhile (a newer generation)
+            with self.ns.store.transaction():
+                self.ns.store.remove_pending_delete(key)
 
     async def _upload(self, node: Inode) -> None:
         key = self.ns.path_of(node)
-        version, crc, size = node.version, node.crc32c, node.size
+        version, crc, size, gen = node.version, node.crc32c, node.size, node.generation
         assert crc is not None
         path = self.data_path(node.ino)
         done = 0
@@ -307,27 +403,41 @@ class Uploader:
                 # seal queues the new version.
                 raise FileChangedError(key)
             return self.tier.put_file(
-                key, path, crc, if_generation_match=node.generation, progress=progress,
+                key, path, crc, if_generation_match=gen, progress=progress,
                 metadata={CHUNK_META_KEY: encode_chunk_meta(chunk, crcs)},
             )
 
         t0 = time.monotonic()
         try:
-            info = await trio.to_thread.run_sync(put, limiter=self._limiter)
-        except PreconditionFailed:
-            info = await trio.to_thread.run_sync(self.tier.stat, key)
-            if info is None or info.crc32c != crc or info.size != size:
-                msg = (f"conflict: gs object {key} was changed by someone else since this node "
-                       f"last saw it; not overwriting (rename or remove the local file)")
-                log.error("%s", msg)
-                self.failed[node.ino] = msg
-                self.stats.conflicts += 1
-                self._record_error(msg)
-                return
-            # Our own earlier upload landed (e.g. before a crash): adopt it.
+            try:
+                info = await trio.to_thread.run_sync(put, limiter=self._limiter,
+                                                     abandon_on_cancel=True)
+            except PreconditionFailed:
+                info = await trio.to_thread.run_sync(self.tier.stat, key,
+                                                     abandon_on_cancel=True)
+                if info is None or info.crc32c != crc or info.size != size:
+                    msg = (f"conflict: object {key} in {self.tier.url} was changed by someone "
+                           f"else since this node last saw it; not overwriting (rename or "
+                           f"remove the local file)")
+                    log.error("%s", msg)
+                    self.failed[node.ino] = msg
+                    self.stats.conflicts += 1
+                    self._record_error(msg)
+                    return
+                # Our own earlier upload landed (e.g. before a crash): adopt it.
         except (FileNotFoundError, FileChangedError):
             return  # removed, or changed since its seal: its next seal queues it again
+        except ValueError as e:
+            # A name the durable tier cannot store (e.g. a newline in it): retrying
+            # cannot help, and it must not take the uploader (and the mount) down.
+            msg = f"cannot persist {key!r}: {e}"
+            log.error("%s", msg)
+            self.failed[node.ino] = msg
+            self._record_error(msg)
+            return
         except (Unavailable, DurableError, OSError) as e:
+            if not node.linked:
+                return  # removed meanwhile (its RAM data may be gone): nothing to do
             self._enqueue_front(node)
             self._failed_attempt(f"upload {key}: {e}")
             return
@@ -345,6 +455,7 @@ class Uploader:
                 node.generation = info.generation
                 if node.version == version:
                     node.persisted_version = version
+                    self._unrequest(node.ino)
                 self.ns.persist(node)
         log.info("persisted %s (%d bytes, generation %d) in %.2f s", key, size, info.generation,
                  time.monotonic() - t0)
@@ -364,6 +475,10 @@ class Uploader:
         self.stats.errors += 1
         self.stats.last_error = msg
         self.stats.last_error_time = time.time()
+
+    def _tier_retrying(self, msg: str) -> None:
+        """Called from worker threads while the tier retries a transient error."""
+        self._record_error(msg)
 
 
 def newest_complete_step(ns: Namespace, rules: StepRules) -> Inode | None:

@@ -55,6 +55,25 @@ class RamTier:
         os.close(fd)
         self._set_charge(ino, 0)
 
+    def replace(self, ino: int) -> None:
+        """Like create(), but always a new file: whoever still writes into the old
+        one through an fd of its own (a read-through fetch) cannot touch the new
+        data. Open handles' shared fd is moved onto the new file (dup2)."""
+        self._trash_seq += 1
+        try:
+            os.rename(self.path(ino), os.path.join(self.trash_dir, f"{ino}.{self._trash_seq}"))
+            self.trash_added.set()
+        except FileNotFoundError:
+            pass
+        fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            entry = self._fds.get(ino)
+            if entry is not None:
+                os.dup2(fd, entry[0], inheritable=False)
+        finally:
+            os.close(fd)
+        self._set_charge(ino, 0)
+
     def acquire(self, ino: int) -> int:
         """A read/write fd for the file's data, shared by all its open handles."""
         entry = self._fds.get(ino)

@@ -254,6 +254,10 @@ class DurableTier(ABC):
     """One durable location: `gs://bucket[/prefix]` or `file:///dir`."""
 
     url: str
+    # Set by the user of the tier: called (from worker threads, with one line naming
+    # the cause) each time a transient error is retried inside a call, so an outage
+    # is visible while the call keeps retrying.
+    on_retry: Callable[[str], None] | None = None
 
     @abstractmethod
     def check(self) -> None:

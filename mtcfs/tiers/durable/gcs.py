@@ -244,7 +244,13 @@ class GcsTier(DurableTier):
 
     def _retry(self, deadline: float | None = None) -> Retry:
         return Retry(predicate=is_transient, initial=0.5, maximum=10.0, multiplier=2.0,
-                     timeout=self.retry_deadline if deadline is None else deadline)
+                     timeout=self.retry_deadline if deadline is None else deadline,
+                     on_error=self._retrying)
+
+    def _retrying(self, exc: BaseException) -> None:
+        if self.on_retry is not None:
+            self.on_retry(f"{self.url}: GCS at {self._where} unavailable, retrying: "
+                          f"{short_cause(exc)}")
 
     def _name(self, key: str) -> str:
         return self.prefix + validate_key(key)

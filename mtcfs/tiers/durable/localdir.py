@@ -76,6 +76,7 @@ TMP_PREFIX = ".mtcfs-tmp-"
 LOCK_STRIPES = 256
 COPY_CHUNK = 4 * MiB
 CHECK_TIMEOUT = 8.0
+STALE_TMP_AGE = 15 * 60.0  # seconds without a write after which a temp file is garbage
 
 
 def _fsync_dir(path: str) -> None:
@@ -438,6 +439,7 @@ class LocalDirTier(DurableTier):
             dirnames[:] = keep
             for name in filenames:
                 if name.startswith(TMP_PREFIX):
+                    self._remove_if_stale(os.path.join(dirpath, name))
                     continue
                 key = f"{rel}/{name}" if rel else name
                 if key.startswith(prefix):
@@ -452,6 +454,18 @@ class LocalDirTier(DurableTier):
                 raise self._fail(f"list {prefix!r}", e) from None
             if info is not None:  # deleted since the walk
                 yield info
+
+    def _remove_if_stale(self, path: str) -> None:
+        """A temporary file of a put whose writer died (kill -9, a lost host) would stay
+        for good: remove it once nobody has written to it for STALE_TMP_AGE seconds (a
+        live put writes continuously, and renames within moments of its last write)."""
+        try:
+            if time.time() - os.lstat(path).st_mtime > STALE_TMP_AGE:
+                os.unlink(path)
+                log.warning("%s: removed %s, left by an interrupted upload", self.url,
+                            os.path.relpath(path, self.root))
+        except OSError:
+            pass
 
     def delete(self, key: str, *, if_generation_match: int | None = None) -> None:
         path = self._path(key)
