@@ -102,7 +102,8 @@ class ReadThrough:
         self.fetches: dict[int, Fetch] = {}
         self.stats = Stats()
         self._nursery: trio.Nursery | None = None
-        self._replaced: list[int] = []  # files whose content a merge replaced
+        # (parent ino, name, old ino) of files a refresh replaced by a new inode
+        self._replaced: list[tuple[int, bytes, int]] = []
 
     # -- the tree ----------------------------------------------------------------
 
@@ -115,15 +116,15 @@ class ReadThrough:
         return changed
 
     async def _invalidate_replaced(self) -> None:
-        """The kernel caches the attributes (60 s) and, with keep_cache, the data of
-        files whose object a refresh replaced: make it forget them. From a worker
-        thread, as pyfuse3.invalidate_inode may block on writeback."""
-        inos, self._replaced = self._replaced, []
-        for ino in inos:
+        """Make the kernel drop its entries of files a refresh replaced, so the next
+        lookup finds the new inode (size, data). From a worker thread: the
+        notification may block while the kernel writes back."""
+        entries, self._replaced = self._replaced, []
+        for parent, name, old in entries:
             try:
-                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino)
+                await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name, old)
             except OSError as e:
-                log.debug("invalidating inode %d: %s", ino, e)  # ENOENT: nothing cached
+                log.debug("invalidating %r: %s", name, e)  # ENOENT: nothing cached
 
     def merge(self, objects: list[ObjectInfo], pending_deletes: set[str], full: bool) -> int:
         """Bring the namespace in line with a listing; returns files added or updated."""
@@ -174,22 +175,37 @@ class ReadThrough:
             node.generation = obj.generation
             node.persisted_version = node.version
         elif node.persisted and not node.opens:
-            # A newer object written elsewhere replaces our persisted copy.
-            if node.has_data or node.ino in self.fetches:
-                # A fetch of the old generation in flight goes on into the removed
-                # file; the next open fetches the new one.
-                self.fetches.pop(node.ino, None)
-                self.ram.remove(node.ino)
-            self._take_remote(node, obj)
-            node.version += 1
-            node.persisted_version = node.version
-            node.has_data = False
-            self._replaced.append(node.ino)
+            return self._replace(d, parts[-1], node, obj)
         else:
             log.warning("bucket object %s differs from the local, unpersisted file: keeping "
                         "the local one", obj.key)
             return node
         self.ns.persist(node)
+        return node
+
+    def _replace(self, d: Inode, name: bytes, old: Inode, obj: ObjectInfo) -> Inode:
+        """A newer object written elsewhere replaces our persisted copy. It gets a
+        new inode: with the writeback cache the kernel trusts its own size of a
+        file it has cached, so only a new file shows the new size."""
+        # A fetch of the old generation still running writes into the removed
+        # data file; the next open fetches the new object.
+        self.fetches.pop(old.ino, None)
+        self.ns.unlink(d, name)
+        self.ram.remove(old.ino)
+        if old.lookups:
+            self.ns.store.delete_inode(old.ino)  # forgotten when the kernel lets go
+        else:
+            self.ns.drop(old)
+        node = self.ns.new_inode(d, name, old.mode, old.uid, old.gid)
+        self._take_remote(node, obj)
+        node.version = old.version + 1
+        node.persisted_version = node.version
+        node.has_data = False
+        node.xattrs = dict(old.xattrs)
+        for key, value in node.xattrs.items():
+            self.ns.store.put_xattr(node.ino, key, value)
+        self.ns.persist(node)
+        self._replaced.append((d.ino, name, old.ino))
         return node
 
     @staticmethod

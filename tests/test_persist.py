@@ -42,7 +42,7 @@ BACKENDS = ["gs", "file"]
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+def wait_until(cond: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05,
                what: str = "") -> Any:
     """Poll cond() until it returns something truthy (returned); fail after `timeout` s."""
     deadline = time.monotonic() + timeout

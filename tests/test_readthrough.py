@@ -897,12 +897,9 @@ def test_object_replaced_after_read(make_mount, gs_durable: Durable) -> None:
     assert (m.path / "f.bin").read_bytes() == new
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel writeback cache: the kernel keeps its own i_size of a cached regular file "
-    "and ignores the size in later attributes from the daemon, even after "
-    "invalidate_inode; a refresh that replaces a file with an object of another size "
-    "would need a new inode number (and invalidate_entry) for the replaced file"))
 def test_object_replaced_by_another_size(make_mount, gs_durable: Durable) -> None:
+    """The kernel trusts its own size of a cached file (writeback cache): a refresh
+    gives the replaced file a new inode and drops the kernel's entry."""
     durable = gs_durable
     m = make_mount(extra=durable.mount_args("--persist", "on-close", "--list-refresh", "1"))
     old = data_of(3 * MiB, 74)
