@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -127,10 +127,11 @@ def force_unmount(path: Path) -> None:
 class Mount:
     """One mtcfs daemon (`mtcfs mount --daemon`) and its mountpoint."""
 
-    def __init__(self, path: Path, ram_dir: Path, ram_size: str) -> None:
+    def __init__(self, path: Path, ram_dir: Path, ram_size: str, args: Sequence[str] = ()) -> None:
         self.path = path
         self.ram_dir = ram_dir
         self.ram_size = ram_size
+        self.args = list(args)  # more `mtcfs mount` options, e.g. --bucket
         self.pid: int | None = None
 
     def start(self) -> Mount:
@@ -145,6 +146,7 @@ class Mount:
                 str(self.ram_dir),
                 "--ram-size",
                 self.ram_size,
+                *self.args,
             ],
             timeout=60,
         )
@@ -153,6 +155,13 @@ class Mount:
 
     def status(self) -> dict[str, Any]:
         return json.loads(run([*MTCFS, "status", str(self.path), "--json"], timeout=30).stdout)
+
+    def durable(self) -> dict[str, Any]:
+        """The "durable" section of `mtcfs status --json` (mounts with --bucket)."""
+        d = self.status()["durable"]
+        if not d:
+            raise BenchError(f"{self.path} has no durable tier")
+        return d
 
     def memory(self, key: str = "VmHWM") -> int:
         """A memory figure of the daemon from /proc/PID/status, in bytes."""
@@ -194,6 +203,7 @@ class Scratch:
         self.shm = Path("/dev/shm") / tag  # RAM dirs and the raw tmpfs references
         self.tmp = Path("/tmp") / tag  # mountpoints and the compiled tool
         self.mounts: list[Mount] = []
+        self._deferred: list[Callable[[], None]] = []
         self.shm.mkdir(mode=0o700)
         self.tmp.mkdir(mode=0o700)
 
@@ -202,10 +212,10 @@ class Scratch:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def mount(self, name: str, ram_size: str) -> Mount:
-        """A started mtcfs mount with a fresh RAM dir."""
+    def mount(self, name: str, ram_size: str, args: Sequence[str] = ()) -> Mount:
+        """A started mtcfs mount with a fresh RAM dir; `args`: more mount options."""
         ram_dir = self.shm / f"ram-{name}-{uuid.uuid4().hex[:6]}"
-        m = Mount(self.tmp / f"mnt-{name}", ram_dir, ram_size)
+        m = Mount(self.tmp / f"mnt-{name}", ram_dir, ram_size, args)
         self.mounts.append(m)
         return m.start()
 
@@ -215,6 +225,12 @@ class Scratch:
         self.mounts.remove(m)
         shutil.rmtree(m.ram_dir, ignore_errors=True)
 
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` at close(), after the mtcfs mounts are gone (last deferred
+        first): for servers and foreign mounts a group starts. `fn` must be
+        idempotent, as the group usually cleans up itself as well."""
+        self._deferred.append(fn)
+
     def close(self) -> None:
         for m in list(self.mounts):
             try:
@@ -222,6 +238,12 @@ class Scratch:
             except Exception as e:  # keep cleaning up the others
                 err.print(f"[red]cleanup of {m.path} failed: {e}[/]")
                 force_unmount(m.path)
+        while self._deferred:
+            fn = self._deferred.pop()
+            try:
+                fn()
+            except Exception as e:
+                err.print(f"[red]cleanup failed: {e}[/]")
         for root in (self.shm, self.tmp):
             if any(mount_entry(str(m.path)) for m in self.mounts):
                 err.print(f"[red]{root} left in place: a mount inside is still busy[/]")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import durable
 import ramtier
 from common import (
     BENCH_DIR,
@@ -51,6 +52,11 @@ GROUPS: dict[str, tuple[Group, str]] = {
     "create": (ramtier.create_files, "2,000 files of 64 KiB in 20 directories vs tmpfs"),
     "meta": (ramtier.metadata_cost, "1 file vs 1,024 files of the same bytes, vs tmpfs"),
     "rss": (ramtier.daemon_rss, "daemon peak RSS while writing 4 x --size"),
+    "durable": (
+        durable.group,
+        "GCS tier on a local fake-gcs-server: upload, read-through, writes during an "
+        "upload, vs rclone mount",
+    ),
 }
 
 RESULTS = BENCH_DIR / "results" / "latest.json"

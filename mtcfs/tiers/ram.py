@@ -59,12 +59,7 @@ class RamTier:
         """Like create(), but always a new file: whoever still writes into the old
         one through an fd of its own (a read-through fetch) cannot touch the new
         data. Open handles' shared fd is moved onto the new file (dup2)."""
-        self._trash_seq += 1
-        try:
-            os.rename(self.path(ino), os.path.join(self.trash_dir, f"{ino}.{self._trash_seq}"))
-            self.trash_added.set()
-        except FileNotFoundError:
-            pass
+        self._to_trash(ino)
         fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             entry = self._fds.get(ino)
@@ -103,14 +98,17 @@ class RamTier:
         entry = self._fds.pop(ino, None)
         if entry is not None:
             os.close(entry[0])
+        self._to_trash(ino)
+        self._set_charge(ino, 0)
+        self._charged.pop(ino, None)
+
+    def _to_trash(self, ino: int) -> None:
         self._trash_seq += 1
         try:
             os.rename(self.path(ino), os.path.join(self.trash_dir, f"{ino}.{self._trash_seq}"))
             self.trash_added.set()
         except FileNotFoundError:
             pass
-        self._set_charge(ino, 0)
-        self._charged.pop(ino, None)
 
     async def empty_trash(self) -> None:
         """Runs for the daemon's lifetime: unlinks trashed data off the event loop."""
