@@ -76,6 +76,8 @@ from mtcfs.tiers.durable.crc import crc_from_b64, crc_to_b64
 
 log = logging.getLogger(__name__)
 
+SINGLE_SHOT_MAX = 16 * MiB
+
 DEFAULT_RETRY_DEADLINE = 120.0
 MULTIPART_MAX = 8 * MiB  # google-cloud-storage's own switch point to resumable uploads
 SEND_BLOCK = 1 * MiB  # bytes per read() of a streamed upload body
@@ -513,8 +515,12 @@ class GcsTier(DurableTier):
             # A Blob per chunk (Blob objects are not thread-safe), pinned to one
             # generation so an overwrite mid-download cannot mix versions.
             blob = self._bucket.blob(name, generation=info.generation)
+            # Streaming hands the data over in 8 KiB pieces: ~130k rounds of Python
+            # per GiB that starve the FUSE thread of the GIL. A chunk of up to
+            # SINGLE_SHOT_MAX is read in one piece (bounded memory: parallel x that).
             blob.download_to_file(w, start=w.start, end=w.start + w.limit - 1,
                                   raw_download=True, checksum=None,
+                                  single_shot_download=w.limit <= SINGLE_SHOT_MAX,
                                   timeout=self.timeout, retry=self._retry())
 
         try:
