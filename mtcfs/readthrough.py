@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH = 30.0
 NAME_MAX = 255
+# Fetches a read of a good range tries before EIO when fetches fail elsewhere in the file.
+READ_ATTEMPTS = 4
 
 
 @dataclass
@@ -46,8 +48,10 @@ class Fetch:
     ranges: list[tuple[int, int]] = field(default_factory=list)  # merged [start, end)
     changed: trio.Event = field(default_factory=trio.Event)
     error: str | None = None
+    bad: tuple[int, int] | None = None  # the range that failed verification, if known
     done: bool = False
     bytes: int = 0
+    dest: int = 0  # st_ino of the RAM file this fetch fills (a new one per fetch)
 
     def add(self, off: int, length: int) -> None:
         self.bytes += length
@@ -62,8 +66,9 @@ class Fetch:
         self.ranges = sorted(merged)
         self._wake()
 
-    def fail(self, msg: str) -> None:
+    def fail(self, msg: str, bad: tuple[int, int] | None = None) -> None:
         self.error = msg
+        self.bad = bad
         self._wake()
 
     def finish(self) -> None:
@@ -258,20 +263,25 @@ class ReadThrough:
             f.fail(f"RAM tier full: {node.size} bytes needed, {free} free")
             return f
         assert self._nursery is not None
-        self.ram.create(node.ino)
+        # Always a new file (the handles' shared fd is moved onto it): a read that
+        # relied on an earlier, failed fetch still finds that fetch's file (emptied)
+        # behind its fd, never this one being filled (zeros, chunks in flight).
+        self.ram.replace(node.ino)
+        # A private fd, not the handles' shared one: unlinking the file while it is
+        # fetched closes that (ram.remove), and the download threads would then write
+        # into whatever file or socket reuses the fd number. Opened now, so that the
+        # download cannot end up in a file that replaced this one meanwhile.
+        fd = os.open(self.ram.path(node.ino), os.O_RDWR | os.O_CLOEXEC)
+        f.dest = os.fstat(fd).st_ino
         self.ram.reserve(node.ino, node.size)
-        self._nursery.start_soon(self._fetch, node, f)
+        self._nursery.start_soon(self._fetch, node, f, fd)
         return f
 
-    async def _fetch(self, node: Inode, f: Fetch) -> None:
+    async def _fetch(self, node: Inode, f: Fetch, fd: int) -> None:
         key = self.ns.path_of(node)
         generation = node.generation
         token = trio.lowlevel.current_trio_token()
-        # A private fd, not the handles' shared one: unlinking the file while it is
-        # fetched closes that (ram.remove), and the download threads would then write
-        # into whatever file or socket reuses the fd number.
-        fd = os.open(self.ram.path(node.ino), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        dest = os.fstat(fd).st_ino
+        dest = f.dest
 
         def still_the_data_file() -> bool:
             """False once the file was replaced (O_TRUNC, truncate to 0) or removed."""
@@ -291,7 +301,7 @@ class ReadThrough:
         except IntegrityError as e:
             self.stats.integrity_errors += 1
             self._error(f"{key}: {e}")
-            f.fail(str(e))
+            f.fail(str(e), e.bad_range)
         except (DurableError, OSError) as e:
             self._error(f"fetching {key}: {e}")
             f.fail(str(e))
@@ -313,7 +323,7 @@ class ReadThrough:
                     and still_the_data_file()):
                 self.ram.remove(node.ino)
             # else open handles share this RAM file's fd: it stays (emptied by the
-            # failed download) and a retry fetches into the same file.
+            # failed download) until a retry fetches into a new file (start()).
             if (f.done or f.error) and self.fetches.get(node.ino) is f:
                 self.fetches.pop(node.ino)
 
@@ -324,6 +334,39 @@ class ReadThrough:
             if f.error is not None:
                 raise OSError(errno.EIO, f.error)
             await f.changed.wait()
+
+    async def read(self, node: Inode, fd: int, off: int, size: int) -> bytes:
+        """pread(fd, size, off) of a file being read through: verified bytes or
+        OSError(EIO), never anything else (a short result would be taken by the
+        kernel as a hole of zeros).
+
+        The bytes are kept only if, after the pread, the fetch that verified the
+        range has not failed and its file is still the one behind fd at full
+        length: a failing download empties its file from a worker thread at any
+        moment, and a later fetch fills a new file. A read whose range is good but
+        whose fetch failed elsewhere in the file (before or after verifying this
+        range) tries a new fetch, a few times."""
+        end = min(off + size, node.size)
+        for _ in range(READ_ATTEMPTS):
+            f = self.fetches.get(node.ino) or self.start(node)
+            while not node.has_data and not f.covers(off, end) and f.error is None:
+                await f.changed.wait()
+            if node.has_data:
+                return os.pread(fd, size, off)
+            if f.covers(off, end):
+                data = os.pread(fd, size, off)
+                if (f.error is None and len(data) >= end - off
+                        and os.fstat(fd).st_ino == f.dest):
+                    return data
+                # Emptied or replaced after the range was verified: let the fetch
+                # settle (it is failing), then fetch again.
+                while f.error is None and not f.done:
+                    await f.changed.wait()
+            elif f.bad is None or (f.bad[0] < end and off < f.bad[1]):
+                raise OSError(errno.EIO, f.error)
+            # else: failed in another chunk before this range was verified.
+        raise OSError(errno.EIO, f"{self.ns.path_of(node)}: the download failed "
+                                 f"{READ_ATTEMPTS} times")
 
     async def wait_complete(self, node: Inode) -> None:
         await self.wait_range(node, 0, node.size)

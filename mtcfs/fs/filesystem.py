@@ -446,12 +446,9 @@ class Filesystem:
         if h.node.state == INCOMPLETE:
             raise FsError(errno.EIO)
         if not h.node.has_data:
-            await self._fetched(h.node, off, size)
-            data = os.pread(h.fd, size, off)
-            if len(data) < min(size, h.node.size - off):
-                # The download failed (and emptied the file) after this range was
-                # verified: a short read would look like the end of the file.
-                raise FsError(errno.EIO)
+            # Verified bytes or EIO, never a short read (the kernel would cache
+            # zeros) nor bytes of a fetch that failed or was replaced meanwhile.
+            data = await self._fetched(h.node, h.fd, off, size)
         else:
             data = os.pread(h.fd, size, off)
         self.stats.bytes_read += len(data)
@@ -483,12 +480,12 @@ class Filesystem:
         self.stats.bytes_written += n
         return n
 
-    async def _fetched(self, node: Inode, off: int, size: int) -> None:
-        """Wait until [off, off+size) of a file being read through is verified."""
+    async def _fetched(self, node: Inode, fd: int, off: int, size: int) -> bytes:
+        """[off, off+size) of a file being read through, once verified."""
         if self.readthrough is None:
             raise FsError(errno.EIO)
         try:
-            await self.readthrough.wait_range(node, off, size)
+            return await self.readthrough.read(node, fd, off, size)
         except OSError as e:
             log.error("cannot read %s: %s", self.ns.path_of(node), e.strerror)
             raise FsError(errno.EIO) from None

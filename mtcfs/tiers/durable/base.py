@@ -54,6 +54,10 @@ class PreconditionFailed(DurableError):
 class IntegrityError(DurableError):
     """Data does not match its crc32c; the bad data was not kept or returned."""
 
+    # [start, end) of the one chunk found bad, when it is known (per-chunk crcs);
+    # None: the object as a whole, or unknown.
+    bad_range: tuple[int, int] | None = None
+
 
 class ObjectNotFound(DurableError):
     """The key (or the requested generation of it) does not exist."""
@@ -476,9 +480,11 @@ def parallel_download(dest_fd: int, size: int, chunk_size: int, parallel: int,
                         "them again", what, off, off + n - 1, crc, want)
             crc = fetch_range(off, n)
             if crc != want:
-                raise IntegrityError(
+                err = IntegrityError(
                     f"{what}: bytes {off}-{off + n - 1} have crc32c {crc:08x} (fetched twice), "
                     f"the object's metadata records {want:08x}; data discarded")
+                err.bad_range = (off, off + n)
+                raise err
         if safe_verified is not None and not abort.is_set():
             safe_verified(off, n)
         return crc
