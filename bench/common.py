@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mtcfs.config import format_size, mount_entry
+from mtcfs.config import format_size, mount_entry, process_alive
 
 BENCH_DIR = Path(__file__).resolve().parent
 KiB = 1 << 10
@@ -109,13 +109,7 @@ def proc_field(pid: int, name: str, key: str) -> int:
     raise BenchError(f"no {key} in /proc/{pid}/{name}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
+_alive = process_alive  # a zombie counts as gone
 
 def force_unmount(path: Path) -> None:
     for cmd in (["fusermount3", "-uz", str(path)], ["umount", "-l", str(path)]):

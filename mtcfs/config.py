@@ -322,3 +322,12 @@ def mount_entry(mountpoint: str) -> dict[str, str] | None:
 
 def is_mounted(mountpoint: str) -> bool:
     return mount_entry(mountpoint) is not None
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process runs (a zombie awaiting its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -85,6 +85,14 @@ def _notify(ready_fd: int | None, msg: str) -> None:
         pass
 
 
+def _fail_early(msg: str, ready_fd: int | None, store: MetaStore) -> int:
+    """Mounting failed: say why (log, and the waiting `mount --daemon`)."""
+    log.error("%s", msg)
+    _notify(ready_fd, msg)
+    store.close()
+    return 1
+
+
 def _lock_ram_dir(ram_dir: str) -> int:
     fd = os.open(os.path.join(ram_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -139,21 +147,13 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         try:
             _attach_durable(opts, fs)
         except DurableError as e:
-            msg = f"durable tier {opts.bucket}: {e}"
-            log.error("%s", msg)
-            _notify(ready_fd, msg)
-            store.close()
-            return 1
+            return _fail_early(f"durable tier {opts.bucket}: {e}", ready_fd, store)
     ops = FuseOperations(fs)
     try:
         pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
                                                          opts.fuse_options))
     except Exception as e:
-        msg = f"cannot mount {opts.mountpoint}: {e}"
-        log.error("%s", msg)
-        _notify(ready_fd, msg)
-        store.close()
-        return 1
+        return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, store)
     code = 0
     try:
         trio.run(_main, opts, fs, ready_fd)

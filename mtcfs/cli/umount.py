@@ -11,7 +11,7 @@ import click
 from mtcfs import control
 from mtcfs.cli.common import fail
 from mtcfs.cli.progress import poll_with_progress
-from mtcfs.config import mount_entry
+from mtcfs.config import mount_entry, process_alive
 
 
 @click.command("umount")
@@ -49,21 +49,12 @@ def umount(mountpoint: str, wait: bool, timeout: float) -> None:
     _unmount(mountpoint)
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
-        if not _alive(pid):
+        if not process_alive(pid):
             break
         time.sleep(0.05)
     else:
         if pid:
             fail(f"unmounted {mountpoint}, but daemon pid {pid} is still running")
-
-
-def _alive(pid: int) -> bool:
-    """True while the process runs (a zombie awaiting its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def _unmount(mountpoint: str) -> None:
