@@ -111,6 +111,7 @@ def proc_field(pid: int, name: str, key: str) -> int:
 
 _alive = process_alive  # a zombie counts as gone
 
+
 def force_unmount(path: Path) -> None:
     for cmd in (["fusermount3", "-uz", str(path)], ["umount", "-l", str(path)]):
         if mount_entry(str(path)) is None:
