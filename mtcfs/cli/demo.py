@@ -10,7 +10,8 @@ import click
               help="approximate checkpoint size to save")
 @click.option("--keep", is_flag=True, help="leave the mount up at the end")
 def demo(size: str, keep: bool) -> None:
-    """Mount a temporary mtcfs, save a model checkpoint, read it back, show its state."""
+    """Save a checkpoint at RAM speed, persist it to a local GCS server, wipe the RAM
+    tier and restore it from the bucket (all real parts, on this machine)."""
     from mtcfs.config import ConfigError, parse_size
     from mtcfs.demo import run_demo
 

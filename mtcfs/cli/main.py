@@ -15,7 +15,7 @@ from mtcfs.cli.steps import steps
 from mtcfs.cli.umount import umount
 
 _LATER = {
-    "prefetch": "needs the peer or durable tier",
+    "prefetch": "comes with the peer tier",
     "csi": "the CSI node plugin",
     "controller": "the Kubernetes controller",
 }
