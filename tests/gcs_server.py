@@ -17,7 +17,6 @@ uploads and on deletes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
 import shutil
@@ -25,7 +24,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -165,68 +163,3 @@ class GcsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class DroppingProxy:
-    """A TCP proxy on 127.0.0.1 that cuts the first connection to carry more than
-    `drop_after` bytes upstream, mid-request, like a network failure. Later
-    connections pass through untouched."""
-
-    def __init__(self, target_port: int, drop_after: int, port: int | None = None) -> None:
-        self.target_port = target_port
-        self.drop_after = drop_after
-        self.dropped = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", port or 0))
-        self.port = self._listener.getsockname()[1]
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()  # the server is down: the client sees a dropped connection
-                continue
-            with self._lock:
-                self._socks += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False),
-                             daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, counting: bool) -> None:
-        carried = 0
-        try:
-            while data := src.recv(1 << 16):
-                carried += len(data)
-                if counting and carried > self.drop_after and not self.dropped.is_set():
-                    self.dropped.set()
-                    for s in (src, dst):  # RST rather than FIN: an abrupt failure
-                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                        s.close()
-                    return
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-        with self._lock:
-            for s in self._socks:
-                with contextlib.suppress(OSError):
-                    s.close()

@@ -3,8 +3,8 @@ server: it can throttle the server-to-client direction to a shared byte rate (a
 slow link, all connections together) and cut the first connection that carries
 more than `drop_after` bytes upstream, mid-request.
 
-Unlike gcs_server.DroppingProxy it wakes the other direction's blocked recv()
-when it cuts a connection, so the server really sees the cut at once (a
+When it cuts a connection it also wakes the other direction's blocked recv(),
+so the server really sees the cut at once (a
 single-threaded server such as gcp-storage-emulator would otherwise wait on the
 half-dead connection forever). `drop` chooses what the server sees: "fin" (a
 clean end of stream: the server reads a short request body) or "rst" (a
@@ -23,7 +23,8 @@ _LINGER_RST = b"\x01\0\0\0\0\0\0\0"  # SO_LINGER on, 0 s: close() sends RST
 
 class LinkProxy:
     def __init__(self, target_port: int, *, rate: float | None = None,
-                 drop_after: int | None = None, drop: str = "rst", drop_nth: int = 1) -> None:
+                 drop_after: int | None = None, drop: str = "rst", drop_nth: int = 1,
+                 port: int | None = None) -> None:
         if drop not in ("fin", "rst"):
             raise ValueError("drop must be 'fin' or 'rst'")
         self.target_port = target_port
@@ -36,7 +37,7 @@ class LinkProxy:
         self.connections = 0
         self.upstream_bytes = 0
         self.downstream_bytes = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", port or 0))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._next_slot = 0.0  # monotonic time the throttled link is free again

@@ -37,7 +37,8 @@ from mtcfs.tiers.durable.crc import crc32c_combine
 from mtcfs.tiers.durable.gcs import GcsTier
 from mtcfs.tiers.durable.localdir import XATTR_META, LocalDirTier
 
-from gcs_server import DroppingProxy, GcsServer, closed_port, free_port
+from gcs_server import GcsServer, closed_port, free_port
+from link_proxy import LinkProxy
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -774,7 +775,7 @@ def test_upload_resumes_after_dropped_connection(tmp_path: Path,
     object, removes it, and uploads again (on GCS the upload would resume instead)."""
     proxy_port = free_port()
     server = GcsServer("memory", external_url=f"http://127.0.0.1:{proxy_port}").start()
-    proxy = DroppingProxy(server.port, drop_after=12 * MiB, port=proxy_port)
+    proxy = LinkProxy(server.port, drop_after=12 * MiB, port=proxy_port)
     try:
         bucket = server.create_bucket("flaky")
         tier = open_durable(f"gs://{bucket}", endpoint=proxy.url, retry_deadline=10)
