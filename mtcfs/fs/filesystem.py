@@ -190,12 +190,8 @@ class Filesystem:
                 log.error("refusing to truncate %s to %d bytes: it is incomplete; "
                           "truncate it to 0, rewrite or remove it", self.ns.path_of(node), size)
                 raise FsError(errno.EIO)
-            if not node.has_data:
-                if size == 0:
-                    self.ram.replace(node.ino)  # a fetch in flight must not write into it
-                    node.has_data = True
-                else:
-                    await self.open_for_write(node)
+            if size != 0:
+                await self.open_for_write(node)  # the kept part must be here first
             self._truncate(node, size)
             node.mtime_ns = now
             if node.writers == 0 and node.dirty:
@@ -218,6 +214,11 @@ class Filesystem:
         return node
 
     def _truncate(self, node: Inode, size: int) -> None:
+        if size == 0 and not node.has_data:
+            # Only in the durable tier and emptied: nothing to fetch. A new RAM
+            # file, so that a fetch already in flight cannot write into it.
+            self.ram.replace(node.ino)
+            node.has_data = True
         if size == node.size:
             return
         self._mark_dirty(node)
@@ -400,11 +401,6 @@ class Filesystem:
             raise FsError(errno.EINVAL)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if flags & os.O_TRUNC and writable:
-            if not node.has_data:
-                # Nothing to fetch: it is being replaced. A new RAM file, so that a
-                # fetch already in flight cannot write old bytes into the new data.
-                self.ram.replace(node.ino)
-                node.has_data = True
             self._truncate(node, 0)
         elif node.state == INCOMPLETE:
             log.error("refusing to open %s: it is incomplete (its writer never closed it); "
