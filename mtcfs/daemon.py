@@ -189,10 +189,8 @@ def _attach_durable(opts: MountOptions, fs: Filesystem) -> None:
                         rules)
     readthrough = ReadThrough(fs.ns, fs.ram, tier, refresh=opts.list_refresh)
     t0 = time.monotonic()
-    objects = list(tier.list(""))
+    objects = readthrough.listing()
     merged = readthrough.merge(objects, set(uploader.deletes), full=True)
-    readthrough.stats.listed_objects = len(objects)
-    readthrough.stats.last_refresh = time.time()
     log.info("durable tier %s: %d objects listed, %d files merged in %.2f s", tier.url,
              len(objects), merged, time.monotonic() - t0)
     fs.uploader, fs.readthrough = uploader, readthrough

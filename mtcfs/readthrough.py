@@ -112,10 +112,15 @@ class ReadThrough:
 
     # -- the tree ----------------------------------------------------------------
 
-    async def load(self, pending_deletes: set[str], full: bool = True) -> int:
-        objects = await trio.to_thread.run_sync(lambda: list(self.tier.list("")))
+    def listing(self) -> list[ObjectInfo]:
+        """Every object under the prefix (blocking: at start-up, or in a worker thread)."""
+        objects = list(self.tier.list(""))
         self.stats.listed_objects = len(objects)
         self.stats.last_refresh = time.time()
+        return objects
+
+    async def load(self, pending_deletes: set[str], full: bool = True) -> int:
+        objects = await trio.to_thread.run_sync(self.listing)
         changed = self.merge(objects, pending_deletes, full)
         await self._invalidate_replaced()
         return changed
