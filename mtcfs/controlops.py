@@ -1,6 +1,6 @@
 """What the daemon answers on its control socket (see mtcfs.control).
 
-Every request returns at once: long operations (persist, drain) are started
+Every request returns at once: long operations (persist, umount --wait) are started
 here and their progress is polled by the CLI, which draws the progress bar.
 """
 

@@ -91,3 +91,24 @@ def all_steps(ns: Namespace, rules: StepRules) -> list[Inode]:
         if named_like_step or rules.is_committed_step(ns, node):
             out.append(node)
     return out
+
+
+def dirs_under(ns: Namespace, d: Inode) -> list[Inode]:
+    """Every directory below directory `d`."""
+    out, stack = [], [d]
+    while stack:
+        cur = stack.pop()
+        for ino in (cur.children or {}).values():
+            child = ns.inodes[ino]
+            if child.is_dir:
+                out.append(child)
+                stack.append(child)
+    return out
+
+
+def newest_complete_step(ns: Namespace, rules: StepRules) -> Inode | None:
+    """The committed step with the highest number (then the newest mtime)."""
+    steps = [d for d in all_steps(ns, rules) if rules.is_committed_step(ns, d)]
+    if not steps:
+        return None
+    return max(steps, key=lambda d: (step_number(d.name) or -1, d.mtime_ns))

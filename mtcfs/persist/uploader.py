@@ -29,7 +29,13 @@ import trio
 
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
 from mtcfs.persist.policy import Mode, PersistPolicy
-from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
+from mtcfs.persist.steps import (
+    StepRules,
+    all_steps,
+    dirs_under,
+    files_under,
+    newest_complete_step,
+)
 from mtcfs.tiers.durable import DurableError, DurableTier, PreconditionFailed, Unavailable
 from mtcfs.tiers.durable.base import (
     CHUNK_META_KEY,
@@ -123,7 +129,7 @@ class Uploader:
             if f.state == CLOSED:
                 self.on_sealed(f)
         if node.is_dir and self.policy.mode is Mode.STEP:
-            for d in [node, *self._dirs_under(node)]:
+            for d in [node, *dirs_under(self.ns, node)]:
                 if self.rules.is_committed_step(self.ns, d):
                     self.commit_step(d)
 
@@ -163,7 +169,7 @@ class Uploader:
             self._save_requested()
         for f in files:
             self.failed.pop(f.ino, None)
-            self._enqueue(f, explicit=True)
+            self._enqueue(f)
         return len(files), sum(f.size for f in files)
 
     def _unrequest(self, ino: int) -> None:
@@ -175,7 +181,7 @@ class Uploader:
         with self.ns.store.transaction():
             self.ns.store.set_meta(REQUESTED_KEY, json.dumps(sorted(self.requested)))
 
-    def _enqueue(self, node: Inode, explicit: bool = False) -> None:
+    def _enqueue(self, node: Inode) -> None:
         # A file already in flight is queued again: it was renamed or rewritten
         # since its upload started, and must be uploaded (again) once that ends.
         if node.persisted:
@@ -207,17 +213,6 @@ class Uploader:
         key = next(iter(self.deletes))
         return key, self.deletes.pop(key)
 
-    def _dirs_under(self, d: Inode) -> list[Inode]:
-        out, stack = [], [d]
-        while stack:
-            cur = stack.pop()
-            for ino in (cur.children or {}).values():
-                child = self.ns.inodes[ino]
-                if child.is_dir:
-                    out.append(child)
-                    stack.append(child)
-        return out
-
     # -- status ----------------------------------------------------------------------
 
     def pending_bytes(self) -> int:
@@ -245,11 +240,6 @@ class Uploader:
 
     def idle(self) -> bool:
         return not self.queue and not self.inflight and not self.deletes
-
-    async def drain(self) -> None:
-        """Wait until nothing is queued or in flight (failed conflicts excepted)."""
-        while not self.idle():
-            await trio.sleep(0.05)
 
     # -- the work ----------------------------------------------------------------------
 
@@ -281,10 +271,8 @@ class Uploader:
     async def _interval_loop(self) -> None:
         while True:
             await trio.sleep(self.policy.interval)
-            steps = [d for d in all_steps(self.ns, self.rules)
-                     if self.rules.is_committed_step(self.ns, d)]
-            if steps:
-                newest = max(steps, key=lambda d: (step_number(d.name) or -1, d.mtime_ns))
+            newest = newest_complete_step(self.ns, self.rules)
+            if newest is not None:
                 self.commit_step(newest)
 
     def _next_job(self) -> Inode | None:
@@ -479,13 +467,3 @@ class Uploader:
     def _tier_retrying(self, msg: str) -> None:
         """Called from worker threads while the tier retries a transient error."""
         self._record_error(msg)
-
-
-def newest_complete_step(ns: Namespace, rules: StepRules) -> Inode | None:
-    steps = [d for d in all_steps(ns, rules) if rules.is_committed_step(ns, d)]
-    if not steps:
-        return None
-    return max(steps, key=lambda d: (step_number(d.name) or -1, d.mtime_ns))
-
-
-__all__ = ["Mode", "PersistPolicy", "Uploader", "newest_complete_step", "ROOT"]
