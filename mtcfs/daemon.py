@@ -219,6 +219,9 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> Non
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
+        # Listen before serving FUSE: the socket path is published through an xattr
+        # of the mount, and a client that reads it must find a listener.
+        await nursery.start(control.serve, opts.control_socket, on_control)
         nursery.start_soon(serve_fuse)
         nursery.start_soon(watch_signals)
         nursery.start_soon(fs.ram.empty_trash)
@@ -226,7 +229,6 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> Non
             nursery.start_soon(fs.uploader.run)
             nursery.start_soon(fs.readthrough.run)
             nursery.start_soon(fs.readthrough.refresh_loop, fs.uploader.deletes)
-        await nursery.start(control.serve, opts.control_socket, on_control)
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
         log.info(
