@@ -21,5 +21,11 @@ lint: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
 	$(PY) -m ruff format --check mtcfs tests bench
 
+# The peer protocol's Python code is generated from proto/ and checked in
+# (tests/test_proto.py fails when it is stale).
+proto: bootstrap
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
+		proto/mtcfs/peer/v1/peer.proto
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -36,12 +36,6 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 # Options that belong to later tiers: accepted by the parser so that scripts
 # written against DESIGN.md get a clear message, never silently ignored.
 NOT_YET_SUPPORTED = (
-    "listen",
-    "peers",
-    "peers_file",
-    "replicas",
-    "token_file",
-    "insecure",
     "keep_steps",
     "fsync",
     "metrics_port",
@@ -111,6 +105,10 @@ class MountOptions:
     replicas: int | None = None
     token_file: str | None = None
     insecure: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    failure_domain: str | None = None
     bucket: str | None = None
     gcs_endpoint: str | None = None
     persist: str | None = None
@@ -190,6 +188,7 @@ def _validate(opts: MountOptions) -> None:
             raise ConfigError(f"{flag} is not yet supported by this version of mtcfs")
     opts.ram_size = parse_size(opts.ram_size or "4GiB")
     _validate_durable(opts)
+    _validate_peers(opts)
     opts.log_level = str(opts.log_level).lower()
     if opts.log_level not in LOG_LEVELS:
         raise ConfigError(
@@ -250,6 +249,84 @@ def _validate_durable(opts: MountOptions) -> None:
         value = getattr(opts, name)
         if value is not None and not [v for v in str(value).split(",") if v.strip()]:
             raise ConfigError(f"--{name.replace('_', '-')} needs at least one name")
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port)."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([A-Za-z0-9.-]+):(\d+)", text.strip())
+    if not m:
+        raise ConfigError(f"invalid {what} {text!r}: use HOST:PORT")
+    host = m.group(1) or m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 < port < 65536:
+        raise ConfigError(f"invalid {what} {text!r}: port must be 1-65535")
+    return host, port
+
+
+def read_peers_file(path: str) -> list[str]:
+    """One address per line; blank lines and '#' comments are ignored."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"peers file {path}: {e.strerror}") from None
+    out = []
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            parse_address(line, f"peer address in {path}")
+            out.append(line)
+    return out
+
+
+def read_token(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"token file {path}: {e.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"token file {path}: the token must be at least 16 bytes")
+    return token
+
+
+def _validate_peers(opts: MountOptions) -> None:
+    peered = bool(opts.listen or opts.peers or opts.peers_file)
+    if not peered:
+        for name in ("replicas", "token_file", "tls_cert", "tls_key", "tls_ca", "failure_domain"):
+            if getattr(opts, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} needs --listen and --peers or --peers-file")
+        return
+    if not opts.listen:
+        raise ConfigError("--peers needs --listen HOST:PORT (the address peers reach this node at)")
+    parse_address(opts.listen, "--listen address")
+    if opts.peers:
+        for a in str(opts.peers).split(","):
+            if a.strip():
+                parse_address(a, "peer address")
+    if opts.peers_file:
+        opts.peers_file = os.path.abspath(opts.peers_file)
+        read_peers_file(opts.peers_file)
+    if opts.token_file:
+        opts.token_file = os.path.abspath(opts.token_file)
+        read_token(opts.token_file)
+    elif not opts.insecure:
+        raise ConfigError("peers need a shared secret: give --token-file FILE "
+                          "(or --insecure to run unauthenticated on a trusted network)")
+    if opts.replicas is None:
+        opts.replicas = 1
+    if not isinstance(opts.replicas, int) or opts.replicas < 0:
+        raise ConfigError(f"invalid --replicas {opts.replicas!r}: a number >= 0")
+    tls = [opts.tls_cert, opts.tls_key]
+    if any(tls) and not all(tls):
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        path = getattr(opts, name)
+        if path is not None:
+            if not os.path.isfile(path):
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
+            setattr(opts, name, os.path.abspath(path))
 
 
 def check_mountpoint(mountpoint: str) -> None:

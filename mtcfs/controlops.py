@@ -53,6 +53,10 @@ class ControlHandler:
                 st["health"] = "degraded"
         else:
             st["durable"] = None
+        peers = self.fs.peers
+        st["peers"] = peers.status() if peers is not None else None
+        if peers is not None and rt is not None:
+            st["peers"]["bytes_fetched_by_source"] = rt.status()["bytes_by_source"]
         return {"ok": True, "status": st}
 
     def op_shutdown(self, req: dict[str, Any]) -> Reply:

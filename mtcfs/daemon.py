@@ -21,7 +21,7 @@ from mtcfs.config import MountOptions, format_size, is_dead_mount, mount_entry
 from mtcfs.controlops import ControlHandler
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
-from mtcfs.fs.namespace import Namespace
+from mtcfs.fs.namespace import Inode, Namespace
 from mtcfs.meta.store import MetaStore
 from mtcfs.tiers.ram import RamTier
 
@@ -148,6 +148,11 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
             _attach_durable(opts, fs)
         except DurableError as e:
             return _fail_early(f"durable tier {opts.bucket}: {e}", ready_fd, store)
+    if opts.listen:
+        try:
+            _attach_peers(opts, fs)
+        except (OSError, ValueError) as e:
+            return _fail_early(f"peer tier: {e}", ready_fd, store)
     ops = FuseOperations(fs)
     try:
         pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
@@ -156,11 +161,13 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, store)
     code = 0
     try:
-        trio.run(_main, opts, fs, ready_fd)
+        code = trio.run(_main, opts, fs, ready_fd)
     except Exception:
         log.exception("daemon failed")
         code = 1
     finally:
+        if fs.peers is not None:
+            fs.peers.stop()
         pyfuse3.close(unmount=True)
         ram.close()
         store.close()
@@ -196,11 +203,44 @@ def _attach_durable(opts: MountOptions, fs: Filesystem) -> None:
     fs.uploader, fs.readthrough = uploader, readthrough
 
 
+def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
+    """Set up the peer tier (it starts listening in _main, before the mount is live)."""
+    from mtcfs.config import read_token
+    from mtcfs.peer.tier import PeerTier
+    from mtcfs.readthrough import ReadThrough
+
+    secret = read_token(opts.token_file) if opts.token_file else None
+    tls = None
+    if opts.tls_cert and opts.tls_key:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        tls = (read(opts.tls_cert), read(opts.tls_key), read(opts.tls_ca) if opts.tls_ca else None)
+    peers = PeerTier(
+        fs.ns, fs.ram, opts.node_id, opts.listen or "",
+        [a.strip() for a in (opts.peers or "").split(",") if a.strip()], opts.peers_file,
+        opts.replicas if opts.replicas is not None else 1, secret, tls,
+        opts.failure_domain or "",
+    )
+
+    def invalidate(parent: Inode, name: bytes, node: Inode | None) -> None:
+        pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
+
+    peers.invalidate_hook = invalidate
+    peers.removed_hook = fs.drop_if_unused
+    fs.peers = peers
+    if fs.readthrough is None:
+        fs.readthrough = ReadThrough(fs.ns, fs.ram, None, peers=peers)
+    else:
+        fs.readthrough.peers = peers
+
+
 def _names(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
 
 
-async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> None:
+async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> int:
     started = time.time()
     on_control = ControlHandler(fs, opts, started, lambda: nursery.cancel_scope.cancel())
 
@@ -219,15 +259,25 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> Non
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
+        if fs.peers is not None:
+            # Before the mount is live: a new host sees the whole tree at once.
+            try:
+                await fs.peers.start(nursery)
+            except (OSError, RuntimeError) as e:
+                log.error("peer tier: %s", e)
+                _notify(ready_fd, f"peer tier: {e}")
+                nursery.cancel_scope.cancel()
+                return 1
         # Listen before serving FUSE: the socket path is published through an xattr
         # of the mount, and a client that reads it must find a listener.
         await nursery.start(control.serve, opts.control_socket, on_control)
         nursery.start_soon(serve_fuse)
         nursery.start_soon(watch_signals)
         nursery.start_soon(fs.ram.empty_trash)
+        if fs.readthrough is not None:
+            nursery.start_soon(fs.readthrough.run)
         if fs.uploader is not None and fs.readthrough is not None:
             nursery.start_soon(fs.uploader.run)
-            nursery.start_soon(fs.readthrough.run)
             nursery.start_soon(fs.readthrough.refresh_loop, fs.uploader.deletes)
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
@@ -239,3 +289,4 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> Non
         with open(os.path.join(opts.ram_dir, "daemon.json"), "w") as f:
             json.dump({"pid": os.getpid(), "mountpoint": opts.mountpoint}, f)
         _notify(ready_fd, "OK")
+    return 0

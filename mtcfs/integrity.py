@@ -1,58 +1,324 @@
-"""crc32c of file data: streamed while it is written, or one pass at seal time."""
+"""crc32c of file data: streamed while it is written, or one pass at seal time.
+
+Besides the whole-file crc, files are checksummed per BLOCK-aligned block so
+that a byte range (e.g. one fetched from the durable tier) can be verified
+without reading the whole file. Block crcs are packed as little-endian uint32s.
+"""
 
 from __future__ import annotations
 
 import os
+import struct
+import threading
 
 import google_crc32c
 
-CHUNK = 4 << 20
+BLOCK = 4 << 20  # block size of per-block checksums
+CHUNK = BLOCK  # kept for old importers: read size of one pass
+
+_POLY = 0x82F63B78  # Castagnoli, reflected
+
+Tables = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+# -- combine: zlib's crc32_combine, GF(2) matrix form ----------------------------------------------
+#
+# Appending n zero bytes to a (raw, unconditioned) crc register is a linear map on
+# GF(2)^32, stored as 32 column vectors: column i is the image of bit i. Because
+# crc32c pre- and post-inverts, crc(A+B) = shift(crc(A), len(B)) ^ crc(B).
+
+
+def _times(mat: list[int], vec: int) -> int:
+    """mat @ vec over GF(2)."""
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _compose(a: list[int], b: list[int]) -> list[int]:
+    """The operator a after b."""
+    return [_times(a, col) for col in b]
+
+
+def _one_zero_byte() -> list[int]:
+    # One zero bit: shift right, folding the polynomial in when bit 0 falls out.
+    bit = [_POLY] + [1 << (i - 1) for i in range(1, 32)]
+    two = _compose(bit, bit)
+    four = _compose(two, two)
+    return _compose(four, four)
+
+
+# _ZERO_POW[k] appends 2**k zero bytes; squared on demand, shared by every length.
+_ZERO_POW: list[list[int]] = [_one_zero_byte()]
+_ZERO_POW_LOCK = threading.Lock()  # one-pass checksums run in worker threads
+
+
+def _zero_pow(k: int) -> list[int]:
+    if k >= len(_ZERO_POW):
+        with _ZERO_POW_LOCK:
+            while k >= len(_ZERO_POW):
+                _ZERO_POW.append(_compose(_ZERO_POW[-1], _ZERO_POW[-1]))
+    return _ZERO_POW[k]
+
+
+def _shift(crc: int, n: int) -> int:
+    """Append n zero bytes to crc directly: cheap for a length used once."""
+    k = 0
+    while n and crc:
+        if n & 1:
+            crc = _times(_zero_pow(k), crc)
+        n >>= 1
+        k += 1
+    return crc
+
+
+def _build_tables(n: int) -> Tables:
+    """The operator for n zero bytes as four byte-indexed tables (4 lookups per apply)."""
+    cols = [_shift(1 << i, n) for i in range(32)]
+    tables = []
+    for byte in range(4):
+        c = cols[8 * byte:8 * byte + 8]
+        t = [0] * 256
+        for i in range(1, 256):
+            low = i & -i  # linearity: t[i] = t[i without its lowest bit] ^ t[lowest bit]
+            t[i] = t[i ^ low] ^ c[low.bit_length() - 1]
+        tables.append(tuple(t))
+    return tables[0], tables[1], tables[2], tables[3]
+
+
+# Tables per length, built on a length's second use: a one-off length is cheaper to apply
+# directly than to tabulate. Bounded; a race only builds a table twice.
+_TABLES: dict[int, Tables] = {}
+_SEEN: dict[int, None] = {}
+_MAX_CACHED = 64
+
+
+def _combine_tables(n: int) -> Tables:
+    t = _TABLES.get(n)
+    if t is None:
+        if len(_TABLES) >= _MAX_CACHED:
+            _TABLES.clear()
+        t = _TABLES[n] = _build_tables(n)
+    return t
+
+
+def _apply(t: Tables, crc: int) -> int:
+    return (t[0][crc & 0xFF] ^ t[1][(crc >> 8) & 0xFF]
+            ^ t[2][(crc >> 16) & 0xFF] ^ t[3][crc >> 24])
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c(A + B) from crc32c(A), crc32c(B) and len(B) (google_crc32c conventions)."""
+    if len2 < 0:
+        raise ValueError(f"negative length {len2}")
+    if len2 == 0:
+        return crc1  # crc2 must be crc32c(b"") == 0
+    t = _TABLES.get(len2)
+    if t is None:
+        if len2 not in _SEEN:
+            if len(_SEEN) >= 4 * _MAX_CACHED:
+                _SEEN.clear()
+            _SEEN[len2] = None
+            return _shift(crc1, len2) ^ crc2
+        t = _combine_tables(len2)
+    return _apply(t, crc1) ^ crc2
+
+
+# -- block helpers ---------------------------------------------------------------------------------
+
+
+def block_count(size: int, block: int = BLOCK) -> int:
+    """Number of blocks (the last one partial) covering `size` bytes."""
+    return -(-size // block)
+
+
+def pack_crcs(crcs: list[int]) -> bytes:
+    return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def unpack_crcs(packed: bytes) -> list[int]:
+    if len(packed) % 4:
+        raise ValueError(f"packed block crcs of odd length {len(packed)}")
+    return list(struct.unpack(f"<{len(packed) // 4}I", packed))
+
+
+def _combine_blocks(crcs: list[int], size: int, block: int) -> int:
+    """The whole-file crc of `size` bytes from its block crcs."""
+    full = _combine_tables(block)
+    crc = 0
+    for c in crcs[:size // block]:
+        crc = _apply(full, crc) ^ c
+    tail = size % block
+    if tail:
+        crc = crc32c_combine(crc, crcs[-1], tail)
+    return crc
+
+
+# -- streaming -------------------------------------------------------------------------------------
 
 
 class StreamingCrc:
-    """Extends a crc32c as long as writes arrive in order from offset 0.
+    """Extends crc32cs as long as writes arrive in order from offset 0.
 
-    An out-of-order write, an overwrite or a truncate makes it invalid; the
-    file is then checksummed in one pass when it is sealed.
+    Only per-block crcs are computed from the data; the whole-file crc is
+    combined from them in result(). An out-of-order write, an overwrite or a
+    truncate makes it invalid; the file is then checksummed in one pass when
+    it is sealed.
+
+    Resume a sealed file with StreamingCrc(crc, size, blocks=packed). Given
+    only (crc, size), as old callers do, the whole crc still extends correctly
+    but the block crcs are unknown (blocks() is None) until truncate(0).
     """
 
-    __slots__ = ("value", "next_off", "valid")
+    __slots__ = ("next_off", "valid", "block", "_legacy", "_done", "_cur",
+                 "_tables", "_prefix", "_folded", "_cached")
 
-    def __init__(self, value: int = 0, next_off: int = 0, valid: bool = True) -> None:
-        self.value = value
-        self.next_off = next_off
+    def __init__(self, value: int | None = None, next_off: int = 0, valid: bool = True,
+                 blocks: bytes | None = None, block: int = BLOCK) -> None:
+        if block <= 0:
+            raise ValueError(f"block size {block}")
+        self.block = block
+        self._tables = _combine_tables(block)
+        self._reset()
         self.valid = valid
+        if not valid:
+            return
+        if blocks is not None:
+            crcs = unpack_crcs(blocks)
+            if len(crcs) != block_count(next_off, block):
+                raise ValueError(f"{len(crcs)} block crcs for {next_off} bytes")
+            if next_off % block:
+                self._cur = crcs.pop()  # the partial last block keeps growing
+            self._done = crcs
+            self.next_off = next_off
+            if value is not None and self.value != value:
+                raise ValueError("block crcs do not match the file crc")
+        elif next_off:
+            # Old-style resume: no block crcs, so extend the whole crc directly.
+            self._legacy = True
+            self._cur = value or 0
+            self.next_off = next_off
+        elif value:
+            raise ValueError(f"crc {value:08x} for an empty file")
+
+    def _reset(self) -> None:
+        self.next_off = 0
+        self.valid = True
+        self._legacy = False
+        self._done: list[int] = []  # crcs of the complete blocks
+        self._cur = 0  # crc of the partial block (the whole crc when legacy)
+        self._prefix = 0  # cache: crc of the first _folded complete blocks
+        self._folded = 0
+        self._cached: tuple[int, int] | None = None  # (next_off, whole crc)
 
     def update(self, off: int, buf: bytes) -> None:
-        if self.valid:
-            if off == self.next_off:
-                self.value = google_crc32c.extend(self.value, buf)
-                self.next_off += len(buf)
-            else:
-                self.valid = False
+        if not self.valid:
+            return
+        if off != self.next_off:
+            self.valid = False
+            return
+        if type(buf) is not bytes:
+            buf = bytes(buf)  # google_crc32c takes only bytes
+        n = len(buf)
+        if self._legacy:
+            self._cur = google_crc32c.extend(self._cur, buf)
+            self.next_off += n
+            return
+        room = self.block - off % self.block
+        if n < room:  # fast path: stays inside the current block
+            self._cur = google_crc32c.extend(self._cur, buf)
+            self.next_off += n
+            return
+        # Crosses (or ends on) block boundaries: slice, since the crc takes only bytes.
+        pos = 0
+        while n - pos >= room:
+            piece = buf if room == n else buf[pos:pos + room]
+            self._done.append(google_crc32c.extend(self._cur, piece))
+            self._cur = 0
+            pos += room
+            room = self.block
+        if pos < n:
+            self._cur = google_crc32c.extend(0, buf[pos:])
+        self.next_off += n
 
     def truncate(self, size: int) -> None:
         if size == 0:
-            self.value, self.next_off, self.valid = 0, 0, True
+            self._reset()
         elif size != self.next_off:
             self.valid = False
+
+    @property
+    def value(self) -> int:
+        """The crc of the bytes streamed so far (valid or not)."""
+        if self._legacy:
+            return self._cur
+        if self._cached is not None and self._cached[0] == self.next_off:
+            return self._cached[1]
+        # Fold newly completed blocks into the cached prefix, then the partial block.
+        crc, t = self._prefix, self._tables
+        for c in self._done[self._folded:]:
+            crc = _apply(t, crc) ^ c
+        self._prefix, self._folded = crc, len(self._done)
+        tail = self.next_off % self.block
+        if tail:
+            # Shifting 0 gives 0: a file under one block needs no combine (nor its tables).
+            crc = crc32c_combine(crc, self._cur, tail) if crc else self._cur
+        self._cached = (self.next_off, crc)
+        return crc
 
     def result(self, size: int) -> int | None:
         """The crc if the stream covered exactly `size` bytes, else None."""
         return self.value if self.valid and self.next_off == size else None
 
+    def blocks(self, size: int) -> bytes | None:
+        """Packed block crcs if the stream covered exactly `size` bytes and they are known."""
+        if not self.valid or self._legacy or self.next_off != size:
+            return None
+        crcs = self._done
+        if size % self.block:
+            crcs = crcs + [self._cur]
+        return pack_crcs(crcs)
+
+
+# -- one pass --------------------------------------------------------------------------------------
+
+
+def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes]:
+    """One pass over the first `size` bytes of `fd`: (whole crc, packed block crcs).
+
+    Runs in a worker thread. A file shorter than `size` is checksummed as far as it goes.
+    """
+    crcs: list[int] = []
+    off = 0
+    while off < size:
+        want = min(block, size - off)
+        chunk = os.pread(fd, want, off)
+        if 0 < len(chunk) < want:  # short read: complete the block
+            parts = [chunk]
+            got = len(chunk)
+            while got < want:
+                more = os.pread(fd, want - got, off + got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            chunk = b"".join(parts)
+        if not chunk:
+            break
+        crcs.append(google_crc32c.value(chunk))
+        off += len(chunk)
+        if len(chunk) < want:
+            break  # EOF inside the block: it is the last, partial one
+    return _combine_blocks(crcs, off, block), pack_crcs(crcs)
+
 
 def crc32c_of_fd(fd: int, size: int) -> int:
     """One pass over the first `size` bytes of `fd` (runs in a worker thread)."""
-    crc = 0
-    off = 0
-    while off < size:
-        chunk = os.pread(fd, min(CHUNK, size - off), off)
-        if not chunk:
-            break
-        crc = google_crc32c.extend(crc, chunk)
-        off += len(chunk)
-    return crc
+    return block_crcs_of_fd(fd, size)[0]
 
 
 def crc32c_of_path(path: str) -> int:
@@ -65,3 +331,110 @@ def crc32c_of_path(path: str) -> int:
 
 def format_crc(crc: int | None) -> str | None:
     return None if crc is None else f"{crc:08x}"
+
+
+def verify_range(data: bytes, off: int, block_crcs: bytes, size: int,
+                 block: int = BLOCK) -> bool:
+    """True when every block `data` (read at `off` of a `size`-byte file) covers has its crc.
+
+    `data` must start on a block boundary and cover whole blocks, or end at `size`;
+    anything else is a caller error (ValueError), as are block crcs of the wrong count.
+    """
+    if off % block or off < 0:
+        raise ValueError(f"offset {off} is not on a {block}-byte block boundary")
+    end = off + len(data)
+    if end > size or (end % block and end != size):
+        raise ValueError(f"range [{off}, {end}) does not end on a block boundary or at {size}")
+    if len(block_crcs) != 4 * block_count(size, block):
+        raise ValueError(f"{len(block_crcs)} bytes of block crcs for {size} bytes")
+    if type(data) is not bytes:
+        data = bytes(data)
+    first = off // block
+    n = block_count(len(data), block)
+    want = struct.unpack_from(f"<{n}I", block_crcs, 4 * first)
+    if n == 1:
+        return google_crc32c.value(data) == want[0]
+    return all(google_crc32c.value(data[i * block:(i + 1) * block]) == w
+               for i, w in enumerate(want))
+
+
+# -- verifying a copy as it arrives ------------------------------------------------------
+
+
+class IntegrityError(OSError):
+    """Data that does not match its checksum: never served, never counted."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(5, msg)  # EIO
+
+
+class BlockVerifier:
+    """Checks a file's bytes arriving in order from `start` (a block boundary).
+
+    With per-block crcs each block is verified as soon as it is complete and
+    `feed` returns the verified (offset, length) ranges, so readers can use them
+    before the whole file has arrived; the block list itself is checked against
+    the whole-file crc first. Without them (files from before block crcs) only
+    the whole file can be verified, from offset 0, at `finish`.
+    """
+
+    def __init__(self, size: int, crc: int, block_crcs: bytes | None, start: int = 0,
+                 block: int = BLOCK) -> None:
+        self.size = size
+        self.crc = crc
+        self.block = block
+        self.blocks = unpack_crcs(block_crcs) if block_crcs is not None else None
+        if self.blocks is not None:
+            if (len(self.blocks) != block_count(size, block)
+                    or _combine_blocks(self.blocks, size, block) != crc):
+                raise IntegrityError("the block crc32cs do not match the file's crc32c")
+            start -= start % block
+        else:
+            start = 0
+        self.offset = start  # next byte expected
+        self.good = start  # bytes from 0 verified
+        self._cur = 0  # crc of the current block (or of the whole file without blocks)
+        self._pending = 0  # bytes of the current block seen
+
+    def feed(self, data: bytes) -> list[tuple[int, int]]:
+        if self.offset + len(data) > self.size:
+            raise IntegrityError(f"more data than the file's {self.size} bytes")
+        out: list[tuple[int, int]] = []
+        if self.blocks is None:
+            self._cur = google_crc32c.extend(self._cur, data)
+            self.offset += len(data)
+            return out
+        view = memoryview(data)
+        whole = True  # google_crc32c takes bytes only: copy just the pieces of a split chunk
+        while view:
+            bsize = min(self.block, self.size - self.good)
+            take = min(len(view), bsize - self._pending)
+            if whole and take == len(view):
+                piece = data
+            else:
+                piece, whole = bytes(view[:take]), False
+            self._cur = google_crc32c.extend(self._cur, piece)
+            self._pending += take
+            self.offset += take
+            view = view[take:]
+            if self._pending == bsize:
+                index = self.good // self.block
+                if self._cur != self.blocks[index]:
+                    raise IntegrityError(
+                        f"block {index} (bytes {self.good}-{self.good + bsize}) does not "
+                        f"match its crc32c")
+                out.append((self.good, bsize))
+                self.good += bsize
+                self._cur = self._pending = 0
+        return out
+
+    def finish(self) -> list[tuple[int, int]]:
+        """All bytes arrived: the remaining verification. Returns the ranges it verified."""
+        if self.offset != self.size:
+            raise IntegrityError(f"{self.offset} of {self.size} bytes arrived")
+        if self.blocks is not None:
+            return []
+        if self._cur != self.crc:
+            raise IntegrityError("the file does not match its crc32c")
+        self.good = self.size
+        return [(0, self.size)] if self.size else []

@@ -1,5 +1,6 @@
-"""Read-through from the durable tier: the bucket's tree merged into the
-namespace, and files fetched into the RAM tier when they are opened.
+"""Read-through: files whose data is not in the local RAM tier are fetched
+when opened — from a peer that holds them, else from the durable tier — and
+cached in the RAM tier. The bucket's tree is merged into the namespace.
 
 Listing policy: the whole prefix is listed when the daemon starts (before the
 mount is announced live, so a fresh mount over a bucket shows every step at
@@ -24,6 +25,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -31,6 +33,9 @@ import trio
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
 from mtcfs.tiers.durable import DurableError, DurableTier, IntegrityError, ObjectInfo
 from mtcfs.tiers.ram import RamTier
+
+if TYPE_CHECKING:
+    from mtcfs.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +102,18 @@ class Stats:
 
 
 class ReadThrough:
-    def __init__(self, ns: Namespace, ram: RamTier, tier: DurableTier,
-                 refresh: float = DEFAULT_REFRESH, parallel: int = 4) -> None:
+    def __init__(self, ns: Namespace, ram: RamTier, tier: DurableTier | None,
+                 refresh: float = DEFAULT_REFRESH, parallel: int = 4,
+                 peers: PeerTier | None = None) -> None:
         self.ns = ns
         self.ram = ram
         self.tier = tier
+        self.peers = peers
         self.refresh = refresh
         self.parallel = parallel
         self.fetches: dict[int, Fetch] = {}
         self.stats = Stats()
+        self.sources: dict[str, int] = {}  # bytes fetched, by where they came from
         self._nursery: trio.Nursery | None = None
         # (parent ino, name, old ino) of files a refresh replaced by a new inode
         self._replaced: list[tuple[int, bytes, int]] = []
@@ -114,6 +122,7 @@ class ReadThrough:
 
     def listing(self) -> list[ObjectInfo]:
         """Every object under the prefix (blocking: at start-up, or in a worker thread)."""
+        assert self.tier is not None
         objects = list(self.tier.list(""))
         self.stats.listed_objects = len(objects)
         self.stats.last_refresh = time.time()
@@ -244,6 +253,7 @@ class ReadThrough:
                 self.ns.drop(node)
 
     async def refresh_loop(self, pending_deletes: set[str]) -> None:
+        assert self.tier is not None
         while True:
             await trio.sleep(self.refresh)
             try:
@@ -285,6 +295,7 @@ class ReadThrough:
     async def _fetch(self, node: Inode, f: Fetch, fd: int) -> None:
         key = self.ns.path_of(node)
         generation = node.generation
+        version = node.version
         token = trio.lowlevel.current_trio_token()
         dest = f.dest
 
@@ -298,11 +309,28 @@ class ReadThrough:
         def on_verified(off: int, length: int) -> None:
             trio.from_thread.run_sync(f.add, off, length, trio_token=token)
 
+        def on_verified_here(off: int, length: int) -> None:
+            f.add(off, length)
+
         t0 = time.monotonic()
+        source = ""
         try:
-            await trio.to_thread.run_sync(partial(
-                self.tier.download, key, fd, parallel=self.parallel, on_verified=on_verified,
-                generation=generation))
+            if self.peers is not None and [h for h in node.holders
+                                           if h != self.peers.node_id]:
+                try:
+                    source = await self.peers.download(node, fd, on_verified_here)
+                except OSError as e:
+                    if self.tier is None or not generation:
+                        raise
+                    log.warning("%s: %s; reading it from %s", key, e, self.tier.url)
+            if not source:
+                if self.tier is None or not generation:
+                    raise OSError(errno.EIO, "no copy is reachable: not on a live peer"
+                                  + ("" if self.tier is None else " nor in the durable tier"))
+                await trio.to_thread.run_sync(partial(
+                    self.tier.download, key, fd, parallel=self.parallel,
+                    on_verified=on_verified, generation=generation))
+                source = self.tier.url
         except IntegrityError as e:
             self.stats.integrity_errors += 1
             self._error(f"{key}: {e}")
@@ -312,13 +340,17 @@ class ReadThrough:
             f.fail(str(e))
         else:
             if (self.ns.get(node.ino) is node and node.linked and not node.dirty
-                    and node.generation == generation and still_the_data_file()):
+                    and node.generation == generation and node.version == version
+                    and still_the_data_file()):
                 node.has_data = True
+                if self.peers is not None and self.peers.node_id not in node.holders:
+                    node.holders.append(self.peers.node_id)
                 with self.ns.store.transaction():
                     self.ns.persist(node)
             self.stats.fetched_files += 1
             self.stats.fetched_bytes += node.size
-            log.info("fetched %s from %s (%d bytes) in %.2f s", key, self.tier.url, node.size,
+            self.sources[source] = self.sources.get(source, 0) + node.size
+            log.info("fetched %s from %s (%d bytes) in %.2f s", key, source, node.size,
                      time.monotonic() - t0)
             f.finish()
         finally:
@@ -396,4 +428,5 @@ class ReadThrough:
             "last_error": self.stats.last_error or None,
             "listed_objects": self.stats.listed_objects,
             "refresh_seconds": self.refresh,
+            "bytes_by_source": dict(self.sources),
         }

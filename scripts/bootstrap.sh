@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEB_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv fio attr iproute2 rclone psmisc patch)
+DEB_PACKAGES=(fuse3 libfuse3-dev pkg-config gcc python3-venv fio attr iproute2 nftables rclone psmisc patch)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do

@@ -201,9 +201,30 @@ def test_bad_durable_options(tmp_path, ram_root, args, why):
     assert mount_entry(str(mp)) is None
 
 
+@pytest.mark.parametrize(("args", "why"), [
+    (("--peers", "127.0.0.1:7000"), "--peers needs --listen"),
+    (("--replicas", "2"), "--replicas needs --listen"),
+    (("--listen", "127.0.0.1:7000"), "--token-file"),
+    (("--listen", "127.0.0.1"), "invalid --listen address"),
+    (("--listen", "127.0.0.1:99999", "--insecure"), "port must be 1-65535"),
+    (("--listen", "127.0.0.1:7000", "--insecure", "--peers", "nohost"), "invalid peer address"),
+    (("--listen", "127.0.0.1:7000", "--token-file", "/nonexistent/token"), "token file"),
+    (("--listen", "127.0.0.1:7000", "--insecure", "--replicas", "-1"), "invalid --replicas"),
+    (("--listen", "127.0.0.1:7000", "--insecure", "--tls-cert", "/etc/hostname"),
+     "both --tls-cert and --tls-key"),
+    (("--listen", "127.0.0.1:7000", "--insecure", "--peers-file", "/nonexistent"),
+     "peers file"),
+])
+def test_bad_peer_options(tmp_path, ram_root, args, why):
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_root / "ram"), *args)
+    assert r.returncode == 2, r.stderr
+    assert why in one_line(r.stderr)
+    assert mount_entry(str(mp)) is None
+
+
 @pytest.mark.parametrize("args", [
-    ("--peers", "10.0.0.1:7000"),
-    ("--replicas", "2"),
     ("--keep-steps", "3"),
     ("--fsync", "replicas"),
 ])
@@ -217,7 +238,7 @@ def test_later_issue_option(tmp_path, ram_root, args):
     assert mount_entry(str(mp)) is None
 
 
-@pytest.mark.parametrize("cmd", ["prefetch", "csi", "controller"])
+@pytest.mark.parametrize("cmd", ["csi", "controller"])
 def test_later_issue_command(tmp_path, cmd):
     r = mtcfs(cmd, str(tmp_path))
     assert r.returncode == 2

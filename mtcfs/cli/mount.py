@@ -23,13 +23,22 @@ from mtcfs.config import LOG_LEVELS, ConfigError, build_options
               help="TOML file with the same keys as the long options")
 @click.option("-o", "fuse_options", multiple=True, metavar="FUSE_OPTION",
               help="FUSE mount option, e.g. allow_other (repeatable)")
-@click.option("--listen", metavar="HOST:PORT", help="peer RPC address [not yet supported]")
-@click.option("--peers", metavar="ADDR[,ADDR...]", help="peer addresses [not yet supported]")
-@click.option("--peers-file", metavar="FILE", help="file of peer addresses [not yet supported]")
-@click.option("--replicas", type=int, metavar="K", help="peer copies per file [not yet supported]")
-@click.option("--token-file", metavar="FILE", help="peer RPC shared secret [not yet supported]")
+@click.option("--listen", metavar="HOST:PORT",
+              help="address the peer RPC server listens on (and peers reach this node at)")
+@click.option("--peers", metavar="ADDR[,ADDR...]", help="the other hosts' --listen addresses")
+@click.option("--peers-file", metavar="FILE",
+              help="file of peer addresses, one per line (re-read when it changes)")
+@click.option("--replicas", type=int, metavar="K",
+              help="peer copies of each closed file  [default: 1]")
+@click.option("--token-file", metavar="FILE",
+              help="shared secret that authenticates peer RPCs (required with peers)")
 @click.option("--insecure", is_flag=True, default=None,
-              help="allow peers without a token [not yet supported]")
+              help="allow peers without a token (trusted networks only)")
+@click.option("--tls-cert", metavar="FILE", help="TLS certificate for the peer server (PEM)")
+@click.option("--tls-key", metavar="FILE", help="its private key (PEM)")
+@click.option("--tls-ca", metavar="FILE", help="CA that signed the peers' certificates (PEM)")
+@click.option("--failure-domain", metavar="LABEL",
+              help="this host's failure domain (e.g. zone); replicas go to other domains first")
 @click.option("--bucket", metavar="URL",
               help="durable tier: gs://bucket[/prefix] or file:///dir")
 @click.option("--gcs-endpoint", metavar="URL",

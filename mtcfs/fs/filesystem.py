@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, Inode, Namespace
-from mtcfs.integrity import StreamingCrc, crc32c_of_fd, format_crc
+from mtcfs.integrity import StreamingCrc, block_crcs_of_fd, format_crc
 from mtcfs.tiers.ram import RamTier, RamTierFull
 
 if TYPE_CHECKING:
+    from mtcfs.peer.tier import PeerTier
     from mtcfs.persist.uploader import Uploader
     from mtcfs.readthrough import ReadThrough
 
@@ -84,6 +85,9 @@ class Filesystem:
         # that is not in RAM.
         self.uploader: Uploader | None = None
         self.readthrough: ReadThrough | None = None
+        # The peer tier, when configured: told about every change other hosts
+        # must see (broadcast) and every seal (replication).
+        self.peers: PeerTier | None = None
         self._recover()
 
     # -- startup ---------------------------------------------------------------
@@ -106,8 +110,10 @@ class Filesystem:
                 elif node.state == CLOSED and not node.has_data:
                     pass  # in the durable tier only: read through on open
                 elif node.state == CLOSED and not self.ram.exists(node.ino) and node.size > 0:
-                    if node.generation:
-                        node.has_data = False  # still in the durable tier
+                    if self.node_id in node.holders:
+                        node.holders.remove(self.node_id)
+                    if node.generation or node.holders:
+                        node.has_data = False  # still in the durable tier or on peers
                     else:
                         node.state = INCOMPLETE
                         log.error("file %s lost its data in the RAM dir: marked incomplete",
@@ -162,6 +168,10 @@ class Filesystem:
         node.lookups = max(0, node.lookups - n)
         self._maybe_drop(node)
 
+    def drop_if_unused(self, node: Inode) -> None:
+        """A node removed by a remote change: free it once the kernel and handles let go."""
+        self._maybe_drop(node)
+
     def _maybe_drop(self, node: Inode) -> None:
         if node.linked or node.opens or node.ino == ROOT:
             return
@@ -211,6 +221,8 @@ class Filesystem:
         if node.state != OPEN or size is not None or mode is not None or uid is not None:
             with self.ns.store.transaction():
                 self.ns.persist(node)
+        if self.peers is not None and node.state != OPEN:
+            self.peers.on_changed(node)
         return node
 
     def _truncate(self, node: Inode, size: int) -> None:
@@ -251,6 +263,8 @@ class Filesystem:
                 mode |= stat.S_ISGID
         node = self.ns.new_inode(parent, name, mode, uid, gid, target, rdev)
         node.lookups += 1
+        if self.peers is not None and not node.is_file:
+            self.peers.on_changed(node)
         return node
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
@@ -288,11 +302,15 @@ class Filesystem:
         if node.children:
             raise FsError(errno.ENOTEMPTY)
         self.ns.unlink(parent, name)
+        if self.peers is not None:
+            self.peers.on_removed(node)
         self._maybe_drop(node)
 
     def _removed(self, node: Inode, path: str) -> None:
         if self.uploader is not None and node.is_file:
             self.uploader.on_removed(node, path)
+        if self.peers is not None:
+            self.peers.on_removed(node)
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self._dir(parent_ino)
@@ -331,6 +349,8 @@ class Filesystem:
             if self.uploader is not None:
                 self.uploader.on_renamed(node, paths[0])
                 self.uploader.on_renamed(target, paths[1])
+            if self.peers is not None:
+                self.peers.on_changed(node, target)
             return
         if target is not None:
             if flags & RENAME_NOREPLACE:
@@ -351,6 +371,8 @@ class Filesystem:
             self._maybe_drop(replaced)
         if self.uploader is not None:
             self.uploader.on_renamed(node, old_path)
+        if self.peers is not None:
+            self.peers.on_changed(node)
 
     def link(self, node: Inode, new_parent_ino: int, new_name: bytes) -> Inode:
         # One parent per inode keeps every file's path (its key on peers and
@@ -498,7 +520,8 @@ class Filesystem:
         crc = self._crc.get(node.ino)
         if crc is None:
             crc = self._crc[node.ino] = (
-                StreamingCrc(node.crc32c, node.size) if node.crc32c is not None
+                StreamingCrc(node.crc32c, node.size, blocks=node.block_crcs)
+                if node.crc32c is not None
                 else StreamingCrc(valid=False)
             )
         return crc
@@ -550,32 +573,38 @@ class Filesystem:
         if not node.linked:
             node.dirty = False
             return
-        crc = self._crc_for(node).result(node.size)
+        stream = self._crc_for(node)
+        crc, blocks = stream.result(node.size), stream.blocks(node.size)
         seq = node.wseq
-        if crc is None:
+        if crc is None or blocks is None:
             # Written out of order: one pass over the data, off the event loop.
             self.stats.seal_full_passes += 1
             fd = self.ram.acquire(node.ino)
             try:
-                crc = await trio.to_thread.run_sync(crc32c_of_fd, fd, node.size)
+                crc, blocks = await trio.to_thread.run_sync(block_crcs_of_fd, fd, node.size)
             finally:
                 self.ram.release(node.ino)
             if node.wseq != seq or not node.linked:
                 return  # written during the pass: the last release seals again
-            self._crc[node.ino] = StreamingCrc(crc, node.size)
-        self._seal_now(node, crc)
+            self._crc[node.ino] = StreamingCrc(crc, node.size, blocks=blocks)
+        self._seal_now(node, crc, blocks)
 
-    def _seal_now(self, node: Inode, crc: int) -> None:
+    def _seal_now(self, node: Inode, crc: int, blocks: bytes | None = b"") -> None:
         node.crc32c = crc
+        node.block_crcs = blocks
         node.state = CLOSED
         node.version += 1
         node.dirty = False
+        node.holders = [self.node_id]
+        node.writer = self.node_id
         self.ram.reconcile(node.ino)
         with self.ns.store.transaction():
             self.ns.persist(node)
         self.stats.seals += 1
         if self.uploader is not None:
             self.uploader.on_sealed(node)
+        if self.peers is not None:
+            self.peers.on_sealed(node)
 
     # -- extended attributes -----------------------------------------------------
 
@@ -585,18 +614,26 @@ class Filesystem:
         if not node.is_file:
             return {"type": "symlink" if stat.S_ISLNK(node.mode) else "special",
                     "path": self.ns.path_of(node)}
+        closed = node.state == CLOSED
+        here = node.has_data and node.state != INCOMPLETE
+        holders = list(node.holders) if closed else []
+        if here and closed and self.node_id not in holders:
+            holders.append(self.node_id)  # e.g. fetched (a cached copy)
+        elsewhere = [h for h in holders if h != self.node_id]
         return {
             "state": node.state,
             "path": self.ns.path_of(node),
             "size": node.size,
-            "crc32c": format_crc(node.crc32c) if node.state == CLOSED else None,
+            "crc32c": format_crc(node.crc32c) if closed else None,
             "version": node.version,
-            "holders": [self.node_id] if node.has_data and node.state != INCOMPLETE else [],
-            "replicas": 0,
+            "holders": holders,
+            # Peer copies: holders other than the node that wrote this version.
+            "replicas": len([h for h in holders if h != (node.writer or self.node_id)]),
+            "writer": node.writer or (self.node_id if node.version else None),
             "persisted": node.persisted,
             "generation": node.generation or None,
-            "tiers": [t for t, here in (("ram", node.has_data and node.state != INCOMPLETE),
-                                        (self.durable_name, node.persisted)) if here],
+            "tiers": [t for t, present in (("ram", here), ("peers", bool(elsewhere)),
+                                           (self.durable_name, node.persisted)) if present],
         }
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import stat
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from mtcfs.meta.store import InodeRow, MetaStore
@@ -18,6 +19,7 @@ from mtcfs.meta.store import InodeRow, MetaStore
 log = logging.getLogger(__name__)
 
 ROOT = 1
+ROOT_GUID = "root"
 
 # Per-file states (DESIGN.md lifecycle). Directories and symlinks have none.
 OPEN = "open"  # being written; content not yet sealed
@@ -45,6 +47,13 @@ class Inode:
     persisted_version: int = 0
     generation: int = 0
     has_data: bool = True
+    # Replicated index (mtcfs.peer.index): global id, last change's stamp,
+    # nodes holding this version, per-block crc32cs.
+    guid: str = ""
+    lamport: int = 0
+    writer: str = ""
+    holders: list[str] = field(default_factory=list)
+    block_crcs: bytes | None = None
     children: dict[bytes, int] | None = None
     subdirs: int = 0
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
@@ -92,6 +101,11 @@ class Inode:
             self.persisted_version,
             self.generation,
             self.has_data,
+            self.guid,
+            self.lamport,
+            self.writer,
+            ",".join(self.holders),
+            self.block_crcs,
         )
 
 
@@ -99,6 +113,7 @@ class Namespace:
     def __init__(self, store: MetaStore) -> None:
         self.store = store
         self.inodes: dict[int, Inode] = {}
+        self.by_guid: dict[str, int] = {}
         self.next_ino = ROOT + 1
         self._load()
 
@@ -110,7 +125,9 @@ class Namespace:
             now = time.time_ns()
             root = Inode(ROOT, stat.S_IFDIR | 0o755, 0, 0, ROOT, b"", 0, now, now, now)
             root.children = {}
+            root.guid = ROOT_GUID
             self.inodes[ROOT] = root
+            self.by_guid[ROOT_GUID] = ROOT
             with self.store.transaction():
                 self.store.put_inode(root.row())
             return
@@ -118,8 +135,12 @@ class Namespace:
             ino = Inode(
                 r.ino, r.mode, r.uid, r.gid, 0, b"", r.size, r.atime_ns, r.mtime_ns,
                 r.ctime_ns, r.rdev, r.target, r.state, r.crc32c, r.version,
-                r.persisted_version, r.generation, r.has_data,
+                r.persisted_version, r.generation, r.has_data, r.guid or new_guid(),
+                r.lamport, r.writer, [h for h in r.holders.split(",") if h], r.block_crcs,
             )
+            if r.ino == ROOT:
+                ino.guid = ROOT_GUID
+            self.by_guid[ino.guid] = r.ino
             if ino.is_dir:
                 ino.children = {}
             self.inodes[r.ino] = ino
@@ -140,15 +161,22 @@ class Namespace:
                 self.inodes[ino_].xattrs[name] = value
         # Inodes no entry points at were unlinked while open when the daemon died.
         with self.store.transaction():
+            for r in rows.values():
+                if not r.guid and r.ino in self.inodes:
+                    self.store.put_inode(self.inodes[r.ino].row())  # ids from before schema 3
             for orphan in set(self.inodes) - reached:
                 self.store.delete_inode(orphan)
-                del self.inodes[orphan]
+                self.by_guid.pop(self.inodes.pop(orphan).guid, None)
         self.next_ino = max(self.inodes) + 1
 
     # -- queries ---------------------------------------------------------------
 
     def get(self, ino: int) -> Inode | None:
         return self.inodes.get(ino)
+
+    def by_global_id(self, guid: str) -> Inode | None:
+        ino = self.by_guid.get(guid)
+        return None if ino is None else self.inodes.get(ino)
 
     def child(self, parent: Inode, name: bytes) -> Inode | None:
         assert parent.children is not None
@@ -177,10 +205,12 @@ class Namespace:
     # -- changes (each written through to the store) ---------------------------
 
     def new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
-                  target: bytes | None = None, rdev: int = 0) -> Inode:
+                  target: bytes | None = None, rdev: int = 0, global_id: str = "") -> Inode:
         now = time.time_ns()
         node = Inode(self.next_ino, mode, uid, gid, parent.ino, name, 0, now, now, now, rdev,
                      target)
+        node.guid = global_id or new_guid()
+        self.by_guid[node.guid] = node.ino
         self.next_ino += 1
         if node.is_dir:
             node.children = {}
@@ -231,6 +261,8 @@ class Namespace:
     def drop(self, node: Inode) -> None:
         self.store.delete_inode(node.ino)
         self.inodes.pop(node.ino, None)
+        if self.by_guid.get(node.guid) == node.ino:
+            del self.by_guid[node.guid]
 
     def rename(self, old_parent: Inode, old_name: bytes, new_parent: Inode, new_name: bytes,
                exchange: bool = False) -> Inode | None:
@@ -268,3 +300,8 @@ class Namespace:
         with self.store.transaction():
             self.store.delete_xattr(node.ino, name)
             self.store.put_inode(node.row())
+
+
+def new_guid() -> str:
+    """A global id: random, so hosts never need to agree on a counter."""
+    return uuid.uuid4().hex[:20]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -37,7 +37,12 @@ CREATE TABLE IF NOT EXISTS inodes (
     version INTEGER NOT NULL DEFAULT 0,
     persisted_version INTEGER NOT NULL DEFAULT 0,
     generation INTEGER NOT NULL DEFAULT 0,
-    has_data INTEGER NOT NULL DEFAULT 1
+    has_data INTEGER NOT NULL DEFAULT 1,
+    guid TEXT NOT NULL DEFAULT '',
+    lamport INTEGER NOT NULL DEFAULT 0,
+    writer TEXT NOT NULL DEFAULT '',
+    holders TEXT NOT NULL DEFAULT '',
+    block_crcs BLOB
 );
 CREATE TABLE IF NOT EXISTS dentries (
     parent INTEGER NOT NULL,
@@ -50,6 +55,12 @@ CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
     generation INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tombstones (
+    guid TEXT PRIMARY KEY,
+    lamport INTEGER NOT NULL,
+    writer TEXT NOT NULL,
+    removed_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS xattrs (
     ino INTEGER NOT NULL,
     name BLOB NOT NULL,
@@ -60,7 +71,7 @@ CREATE TABLE IF NOT EXISTS xattrs (
 
 _INODE_COLS = (
     "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version,"
-    " persisted_version, generation, has_data"
+    " persisted_version, generation, has_data, guid, lamport, writer, holders, block_crcs"
 )
 _INODE_PARAMS = ",".join("?" * len(_INODE_COLS.split(",")))
 # Columns added after schema 1, for databases written by older versions.
@@ -69,6 +80,13 @@ _MIGRATIONS = {
         "ALTER TABLE inodes ADD COLUMN persisted_version INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE inodes ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE inodes ADD COLUMN has_data INTEGER NOT NULL DEFAULT 1",
+    ],
+    2: [
+        "ALTER TABLE inodes ADD COLUMN guid TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE inodes ADD COLUMN lamport INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN writer TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE inodes ADD COLUMN holders TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE inodes ADD COLUMN block_crcs BLOB",
     ],
 }
 
@@ -91,6 +109,11 @@ class InodeRow:
     persisted_version: int = 0  # the version last confirmed by the durable tier
     generation: int = 0  # that object's generation in the durable tier (0: none)
     has_data: bool = True  # the whole content is in the RAM tier
+    guid: str = ""  # global id in the job's replicated index (stable across renames)
+    lamport: int = 0  # (lamport, writer): the last change's stamp, last writer wins
+    writer: str = ""
+    holders: str = ""  # comma-separated node ids with a verified copy of this version
+    block_crcs: bytes | None = None  # crc32c per 4 MiB block (mtcfs.integrity.BLOCK)
 
 
 class MetaStore:
@@ -180,6 +203,11 @@ class MetaStore:
                 r.persisted_version,
                 r.generation,
                 int(r.has_data),
+                r.guid,
+                r.lamport,
+                r.writer,
+                r.holders,
+                r.block_crcs,
             ),
         )
 
@@ -210,6 +238,18 @@ class MetaStore:
 
     def load_pending_deletes(self) -> list[tuple[str, int]]:
         return list(self.db.execute("SELECT key, generation FROM pending_deletes"))
+
+    # -- tombstones of the replicated index (removed entries, by global id) --------
+
+    def put_tombstone(self, guid: str, lamport: int, writer: str, removed_at: float) -> None:
+        self.db.execute("INSERT OR REPLACE INTO tombstones VALUES (?,?,?,?)",
+                        (guid, lamport, writer, removed_at))
+
+    def delete_tombstone(self, guid: str) -> None:
+        self.db.execute("DELETE FROM tombstones WHERE guid=?", (guid,))
+
+    def load_tombstones(self) -> list[tuple[str, int, str, float]]:
+        return list(self.db.execute("SELECT guid, lamport, writer, removed_at FROM tombstones"))
 
     def get_meta(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()

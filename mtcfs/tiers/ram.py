@@ -32,8 +32,10 @@ class RamTier:
         self.root = root
         self.data_dir = os.path.join(root, "data")
         self.trash_dir = os.path.join(root, "trash")
-        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        os.makedirs(self.trash_dir, mode=0o700, exist_ok=True)
+        self.incoming_dir = os.path.join(root, "incoming")  # replicas being received
+        for d in (self.data_dir, self.trash_dir, self.incoming_dir):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        self._incoming_seq = 0
         self._trash_seq = 0
         self.trash_added = trio.Event()
         self.capacity = capacity
@@ -165,6 +167,45 @@ class RamTier:
         self.used += amount - self._charged.get(ino, 0)
         self._charged[ino] = amount
 
+    # -- replicas received from peers ---------------------------------------------
+
+    def begin_incoming(self, size: int) -> tuple[int, str]:
+        """Reserve `size` bytes for a replica about to arrive; returns (key, path).
+        Raises RamTierFull when the budget cannot hold it."""
+        free = self.capacity - self.used
+        if size > free:
+            self.enospc_count += 1
+            raise RamTierFull(size, free)
+        self._incoming_seq += 1
+        key = -self._incoming_seq  # charges of incoming files use negative keys
+        self._set_charge(key, size)
+        path = os.path.join(self.incoming_dir, str(self._incoming_seq))
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+        return key, path
+
+    def abort_incoming(self, key: int, path: str) -> None:
+        self._set_charge(key, 0)
+        self._charged.pop(key, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, os.path.join(self.trash_dir, f"in{-key}"))
+            self.trash_added.set()
+
+    def install_incoming(self, key: int, path: str, ino: int) -> None:
+        """Make a received, verified replica the data of `ino`. Handles' shared fd
+        moves onto it (as in replace())."""
+        self._to_trash(ino)
+        os.rename(path, self.path(ino))
+        entry = self._fds.get(ino)
+        if entry is not None:
+            fd = os.open(self.path(ino), os.O_RDWR)
+            try:
+                os.dup2(fd, entry[0], inheritable=False)
+            finally:
+                os.close(fd)
+        self._set_charge(key, 0)
+        self._charged.pop(key, None)
+        self.reconcile(ino)
+
     # -- startup ---------------------------------------------------------------
 
     def adopt(self, keep: set[int]) -> tuple[int, int]:
@@ -172,6 +213,8 @@ class RamTier:
 
         Returns (files adopted, orphans removed)."""
         self._empty_trash_now()
+        for name in os.listdir(self.incoming_dir):  # a replica cut short by a crash
+            os.unlink(os.path.join(self.incoming_dir, name))
         adopted = removed = 0
         for name in os.listdir(self.data_dir):
             try:

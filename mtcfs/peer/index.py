@@ -1,0 +1,349 @@
+"""The replicated namespace index: every host keeps the metadata of every file
+of the job, so lookups and listings never cross the network.
+
+Each entry (file, directory, symlink) has a global id that survives renames,
+and carries the stamp (lamport, writer) of its last change. A change is sent
+as the entry's whole new state; a receiver applies it when its stamp is newer
+than what it has (last writer wins by (lamport, node id)), so applying the
+same change twice, or a snapshot over broadcasts, is harmless.
+
+Because entries name their parent by id, not by path, a host's file that
+arrives after the primary renamed the tmp directory it was written into lands
+in the renamed directory (the Orbax multi-host commit). Two hosts that create
+the same directory path concurrently (every torch DCP rank mkdirs the step)
+get one merged directory: the later id becomes an alias of the local one.
+
+Files are visible to other hosts once sealed (closed): the broadcast carries
+size, crc32c, per-block crc32cs and the nodes holding that version.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from mtcfs.fs.namespace import CLOSED, ROOT, ROOT_GUID, Inode, Namespace
+from mtcfs.peer.v1 import peer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+TOMBSTONE_TTL = 24 * 3600.0  # a host away longer than this may bring back removed entries
+MAX_PENDING = 100_000
+
+
+@dataclass
+class Stats:
+    applied: int = 0
+    ignored: int = 0
+    conflicts: int = 0
+    pending: int = 0
+
+
+class Hooks:
+    """What the index asks of the host around it (the FUSE layer, the RAM tier)."""
+
+    def forget_data(self, node: Inode) -> None:
+        """The node's local data is stale or gone: drop it from the RAM tier."""
+
+    def invalidate(self, parent: Inode, name: bytes, node: Inode | None) -> None:
+        """The kernel may cache this name (and node): make it look again."""
+
+    def removed(self, node: Inode) -> None:
+        """A remote change removed this node locally (unlinked; drop when unused)."""
+
+
+def stamp_of(node: Inode) -> tuple[int, str]:
+    return (node.lamport, node.writer)
+
+
+def entry_stamp(e: pb.Entry) -> tuple[int, str]:
+    return (e.lamport, e.writer)
+
+
+class ReplicatedIndex:
+    def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None) -> None:
+        self.ns = ns
+        self.node_id = node_id
+        self.hooks = hooks or Hooks()
+        self.tombstones: dict[str, tuple[int, str, float]] = {
+            g: (lam, w, t) for g, lam, w, t in ns.store.load_tombstones()
+        }
+        self.aliases: dict[str, str] = {}  # a remote directory's id -> our merged directory's id
+        self.pending: dict[str, list[pb.Entry]] = {}  # parent id -> entries waiting for it
+        self.clock = max([n.lamport for n in ns.inodes.values()]
+                         + [lam for lam, _, _ in self.tombstones.values()] + [0])
+        self.stats = Stats()
+        self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
+
+    # -- local changes -------------------------------------------------------------
+
+    def tick(self, seen: int = 0) -> int:
+        self.clock = max(self.clock, seen) + 1
+        return self.clock
+
+    def changed(self, *nodes: Inode) -> None:
+        """Local changes to `nodes` (created, sealed, moved, attributes): stamp and send."""
+        out = []
+        with self.ns.store.transaction():
+            for node in nodes:
+                if not self.visible(node):
+                    continue
+                node.lamport, node.writer = self.tick(), self.node_id
+                self.ns.persist(node)
+                out.append(self.entry_of(node))
+        if out:
+            self.outbox(out)
+
+    def removed(self, node: Inode) -> None:
+        """A local unlink/rmdir, or the target a rename replaced."""
+        if not node.guid or node.guid == ROOT_GUID:
+            return
+        lam = self.tick()
+        self._tombstone(node.guid, lam, self.node_id)
+        self.outbox([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
+
+    def holders_changed(self, node: Inode) -> None:
+        """More copies of this version exist (merged as a set: no new stamp needed)."""
+        if self.visible(node):
+            self.outbox([self.entry_of(node)])
+
+    @staticmethod
+    def visible(node: Inode) -> bool:
+        """Other hosts see directories, symlinks and sealed files (not ones being written)."""
+        if not node.linked or node.ino == ROOT:
+            return False
+        return not node.is_file or (node.state == CLOSED and node.version > 0)
+
+    def entry_of(self, node: Inode) -> pb.Entry:
+        parent = self.ns.inodes[node.parent]
+        e = pb.Entry(
+            id=node.guid, parent=parent.guid, name=node.name, mode=node.mode, uid=node.uid,
+            gid=node.gid, mtime_ns=node.mtime_ns, ctime_ns=node.ctime_ns,
+            size=node.size, version=node.version, holders=node.holders,
+            lamport=node.lamport, writer=node.writer,
+            persisted_version=node.persisted_version, generation=node.generation,
+        )
+        if node.target is not None:
+            e.target = node.target
+        if node.crc32c is not None and node.is_file:
+            e.has_crc, e.crc32c = True, node.crc32c
+        if node.block_crcs is not None:
+            e.block_crcs = node.block_crcs
+        return e
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self) -> Iterator[pb.Entry]:
+        """Every visible entry, parents before children, then the tombstones."""
+        todo = [ROOT]
+        while todo:
+            d = self.ns.inodes[todo.pop()]
+            assert d.children is not None
+            for ino in d.children.values():
+                node = self.ns.inodes[ino]
+                if self.visible(node):
+                    yield self.entry_of(node)
+                if node.is_dir:
+                    todo.append(ino)
+        now = time.time()
+        for g, (lam, w, t) in list(self.tombstones.items()):
+            if now - t < TOMBSTONE_TTL:
+                yield pb.Entry(id=g, lamport=lam, writer=w, removed=True)
+
+    # -- remote changes --------------------------------------------------------------
+
+    def apply(self, entries: list[pb.Entry]) -> int:
+        """Apply a batch from a peer (in the trio thread). Returns how many changed us."""
+        applied = 0
+        with self.ns.store.transaction():
+            for e in entries:
+                self.clock = max(self.clock, e.lamport)
+                if self._apply_one(e):
+                    applied += 1
+        self.stats.applied += applied
+        self.stats.pending = sum(len(v) for v in self.pending.values())
+        return applied
+
+    def resolve(self, gid: str) -> str:
+        return self.aliases.get(gid, gid)
+
+    def _apply_one(self, e: pb.Entry) -> bool:
+        gid = self.resolve(e.id)
+        tomb = self.tombstones.get(gid)
+        if tomb is not None and (tomb[0], tomb[1]) >= entry_stamp(e):
+            self.stats.ignored += 1
+            return False
+        if e.removed:
+            return self._apply_removal(gid, e)
+        parent = self.ns.by_global_id(self.resolve(e.parent))
+        if parent is None or not parent.linked or not parent.is_dir:
+            # Its directory has not reached us yet: apply when it does.
+            if sum(len(v) for v in self.pending.values()) < MAX_PENDING:
+                self.pending.setdefault(self.resolve(e.parent), []).append(e)
+            return False
+        node = self.ns.by_global_id(gid)
+        if node is not None and node.linked:
+            done = self._update(node, parent, e)
+        else:
+            done = self._create(parent, e)
+        return done
+
+    def _apply_removal(self, gid: str, e: pb.Entry) -> bool:
+        self._tombstone(gid, e.lamport, e.writer)
+        node = self.ns.by_global_id(gid)
+        if node is None or not node.linked:
+            return False
+        if stamp_of(node) > entry_stamp(e):
+            return False  # changed here after the removal was decided: keep it
+        if node.is_dir and node.children:
+            self.stats.conflicts += 1
+            log.warning("keeping %s: removed by %s but not empty here", self.ns.path_of(node),
+                        e.writer)
+            return False
+        self._unlink(node)
+        return True
+
+    def _unlink(self, node: Inode) -> None:
+        parent = self.ns.inodes[node.parent]
+        self.ns.unlink(parent, node.name)
+        self.hooks.invalidate(parent, node.name, node)
+        self.hooks.removed(node)
+
+    def _tombstone(self, gid: str, lam: int, writer: str) -> None:
+        old = self.tombstones.get(gid)
+        if old is None or (old[0], old[1]) < (lam, writer):
+            now = time.time()
+            self.tombstones[gid] = (lam, writer, now)
+            self.ns.store.put_tombstone(gid, lam, writer, now)
+
+    def _create(self, parent: Inode, e: pb.Entry) -> bool:
+        existing = self.ns.child(parent, e.name)
+        if existing is not None:
+            if existing.is_dir and stat.S_ISDIR(e.mode):
+                # The same directory made on two hosts: one directory, two ids.
+                self.aliases[e.id] = existing.guid
+                if entry_stamp(e) > stamp_of(existing):
+                    self._set_attrs(existing, e)
+                self._release_pending(e.id)
+                return True
+            if stamp_of(existing) >= entry_stamp(e) or existing.opens and existing.dirty:
+                self.stats.conflicts += 1
+                log.info("name conflict at %s: keeping ours over %s's",
+                         self.ns.path_of(existing), e.writer)
+                return False
+            self.stats.conflicts += 1
+            self._unlink(existing)
+        node = self.ns.new_inode(parent, e.name, e.mode, e.uid, e.gid,
+                                 target=e.target if stat.S_ISLNK(e.mode) else None,
+                                 global_id=e.id)
+        self._set_attrs(node, e)
+        if node.is_file:
+            self._set_content(node, e)
+        self.ns.persist(node)
+        self.hooks.invalidate(parent, e.name, None)
+        if node.is_dir:
+            self._release_pending(e.id)
+        return True
+
+    def _update(self, node: Inode, parent: Inode, e: pb.Entry) -> bool:
+        if stamp_of(node) >= entry_stamp(e):
+            if node.is_file and self._same_content(node, e):
+                return self._merge_holders(node, e)
+            self.stats.ignored += 1
+            return False
+        if node.is_file and node.dirty:
+            return False  # being rewritten here: our seal will be newer
+        if node.parent != parent.ino or node.name != e.name:
+            if node.is_dir and self.ns.is_ancestor(node, parent):
+                self.stats.conflicts += 1
+                log.warning("ignoring a move of %s into itself from %s", self.ns.path_of(node),
+                            e.writer)
+                return False
+            existing = self.ns.child(parent, e.name)
+            if existing is not None and existing is not node:
+                if existing.is_dir and existing.children:
+                    self.stats.conflicts += 1
+                    return False
+                self._unlink(existing)
+            old_parent, old_name = self.ns.inodes[node.parent], node.name
+            self.ns.rename(old_parent, old_name, parent, e.name)
+            self.hooks.invalidate(old_parent, old_name, node)
+            self.hooks.invalidate(parent, e.name, None)
+        if node.is_file and not self._same_content(node, e):
+            node = self._replace(node, e)
+        self._set_attrs(node, e)
+        if node.is_file:
+            self._set_content(node, e)
+        self.ns.persist(node)
+        return True
+
+    @staticmethod
+    def _same_content(node: Inode, e: pb.Entry) -> bool:
+        return (node.version == e.version and node.size == e.size
+                and node.crc32c == (e.crc32c if e.has_crc else None))
+
+    def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
+        new = [h for h in e.holders if h not in node.holders]
+        if node.persisted_version < e.persisted_version and node.version == e.persisted_version:
+            node.persisted_version, node.generation = e.persisted_version, e.generation
+            new.append("")
+        if not new:
+            return False
+        node.holders.extend(h for h in new if h)
+        self.ns.persist(node)
+        return True
+
+    def _replace(self, old: Inode, e: pb.Entry) -> Inode:
+        """New content written elsewhere. A new inode: with the writeback cache the
+        kernel trusts its own size of a file it has cached."""
+        parent = self.ns.inodes[old.parent]
+        self._unlink(old)
+        node = self.ns.new_inode(parent, e.name, e.mode, e.uid, e.gid, global_id=e.id)
+        node.xattrs = dict(old.xattrs)
+        for key, value in node.xattrs.items():
+            self.ns.store.put_xattr(node.ino, key, value)
+        return node
+
+    @staticmethod
+    def _set_attrs(node: Inode, e: pb.Entry) -> None:
+        node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(e.mode)
+        node.uid, node.gid = e.uid, e.gid
+        node.mtime_ns, node.ctime_ns = e.mtime_ns, e.ctime_ns
+        node.lamport, node.writer = e.lamport, e.writer
+
+    def _set_content(self, node: Inode, e: pb.Entry) -> None:
+        fresh = not self._same_content(node, e)
+        node.size = e.size
+        node.crc32c = e.crc32c if e.has_crc else None
+        node.version = e.version
+        node.state = CLOSED
+        node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
+        node.persisted_version, node.generation = e.persisted_version, e.generation
+        if fresh:
+            node.holders = list(e.holders)
+            if node.has_data:
+                self.hooks.forget_data(node)
+            node.has_data = False
+        else:
+            node.holders.extend(h for h in e.holders if h not in node.holders)
+
+    def _release_pending(self, gid: str) -> None:
+        waiting = self.pending.pop(gid, [])
+        for e in waiting:
+            self._apply_one(e)
+
+    # -- status ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        return {
+            "clock": self.clock,
+            "entries": len(self.ns.inodes) - 1,
+            "tombstones": len(self.tombstones),
+            "applied": self.stats.applied,
+            "ignored": self.stats.ignored,
+            "conflicts": self.stats.conflicts,
+            "pending": self.stats.pending,
+        }

@@ -1,0 +1,189 @@
+"""Who the peers are and whether they are alive.
+
+Addresses come from --peers and --peers-file (re-read when it changes). Each
+peer is health-checked every second; three failed checks in a row (or a
+failed call) mark it dead, so a dead peer is noticed within ~3 s and skipped.
+A peer seen alive again is caught up: this node pulls its snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import trio
+
+from mtcfs.config import read_peers_file
+from mtcfs.peer import security
+from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL = 1.0
+HEALTH_TIMEOUT = 1.0
+DEAD_AFTER = 3  # failed checks in a row
+
+
+@dataclass(eq=False)
+class Peer:
+    addr: str
+    channel: grpc.Channel
+    stub: pb_grpc.PeerStub
+    node_id: str = ""
+    domain: str = ""
+    alive: bool = False
+    failures: int = 0
+    ever_alive: bool = False
+    last_ok: float = 0.0
+    ram_free: int = 0
+    busy: int = 0  # transfers in flight to or from it
+    removed: bool = False
+    caught_up: trio.Event = field(default_factory=trio.Event)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "address": self.addr,
+            "node_id": self.node_id or None,
+            "alive": self.alive,
+            "failure_domain": self.domain or None,
+            "last_seen_seconds": round(time.time() - self.last_ok, 1) if self.last_ok else None,
+            "ram_free": self.ram_free,
+            "transfers": self.busy,
+        }
+
+
+class Membership:
+    def __init__(self, me: str, node_id: str, static: list[str], peers_file: str | None,
+                 secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None) -> None:
+        self.me = me
+        self.node_id = node_id
+        self.static = static
+        self.peers_file = peers_file
+        self.metadata = security.call_metadata(secret)
+        self.tls = tls
+        self.peers: dict[str, Peer] = {}
+        self._file_mtime = 0.0
+        self.on_alive: Callable[[Peer], None] = lambda p: None
+        self.on_dead: Callable[[Peer], None] = lambda p: None
+        self.health_request: Callable[[], pb.HealthRequest] = pb.HealthRequest
+        self._limiter = trio.CapacityLimiter(64)
+        self.sync_addresses()
+
+    # -- addresses -------------------------------------------------------------------
+
+    def addresses(self) -> list[str]:
+        out = list(self.static)
+        if self.peers_file:
+            try:
+                out += read_peers_file(self.peers_file)
+            except ValueError as e:
+                log.error("%s", e)
+                out += [p.addr for p in self.peers.values() if p.addr not in out]
+        return [a for a in dict.fromkeys(out) if a != self.me]
+
+    def sync_addresses(self) -> None:
+        want = self.addresses()
+        for addr in want:
+            if addr not in self.peers:
+                self.peers[addr] = self._connect(addr)
+                log.info("peer %s added", addr)
+        for addr in list(self.peers):
+            if addr not in want:
+                p = self.peers.pop(addr)
+                p.removed = True
+                p.channel.close()
+                log.info("peer %s removed", addr)
+
+    def _connect(self, addr: str) -> Peer:
+        options = [
+            ("grpc.max_receive_message_length", security.MAX_MESSAGE),
+            ("grpc.max_send_message_length", security.MAX_MESSAGE),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 3_000),
+        ]
+        if self.tls is not None:
+            cert, key, ca = self.tls
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                 certificate_chain=cert)
+            channel = grpc.secure_channel(addr, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(addr, options=options)
+        return Peer(addr, channel, pb_grpc.PeerStub(channel))
+
+    def live(self) -> list[Peer]:
+        return [p for p in self.peers.values() if p.alive]
+
+    def by_node(self, node_id: str) -> Peer | None:
+        for p in self.peers.values():
+            if p.node_id == node_id and p.alive:
+                return p
+        return None
+
+    # -- health ----------------------------------------------------------------------
+
+    async def check(self, p: Peer) -> bool:
+        try:
+            reply = await trio.to_thread.run_sync(
+                lambda: p.stub.Health(self.health_request(), timeout=HEALTH_TIMEOUT,
+                                      metadata=self.metadata),
+                limiter=self._limiter)
+        except grpc.RpcError as e:
+            self.failed(p, f"health check: {e.code().name}: {e.details()}")
+            return False
+        if p.removed:
+            return False
+        if reply.node_id == self.node_id:
+            log.error("peer %s answers with our own node id %s: ignoring it", p.addr,
+                      self.node_id)
+            self.failed(p, "same node id", dead_now=True)
+            return False
+        p.node_id, p.domain, p.ram_free = reply.node_id, reply.failure_domain, reply.ram_free
+        p.failures, p.last_ok = 0, time.time()
+        if not p.alive:
+            p.alive = True
+            log.info("peer %s (%s) is alive", p.addr, p.node_id)
+            self.on_alive(p)
+        return True
+
+    def failed(self, p: Peer, why: str, dead_now: bool = False) -> None:
+        p.failures = DEAD_AFTER if dead_now else p.failures + 1
+        if p.alive and p.failures >= DEAD_AFTER:
+            p.alive = False
+            p.caught_up = trio.Event()
+            log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
+            self.on_dead(p)
+
+    async def run(self) -> None:
+        while True:
+            self._watch_file()
+            async with trio.open_nursery() as nursery:
+                for p in list(self.peers.values()):
+                    nursery.start_soon(self.check, p)
+            await trio.sleep(HEALTH_INTERVAL)
+
+    async def check_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for p in list(self.peers.values()):
+                nursery.start_soon(self.check, p)
+
+    def _watch_file(self) -> None:
+        if not self.peers_file:
+            return
+        try:
+            mtime = os.stat(self.peers_file).st_mtime
+        except OSError:
+            return
+        if mtime != self._file_mtime:
+            self._file_mtime = mtime
+            self.sync_addresses()
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            p.channel.close()

@@ -1,0 +1,179 @@
+"""The peer RPC server: what this host answers to the other hosts of the job.
+
+grpcio's server runs handlers in its own threads. Anything that touches the
+namespace is handed to the trio thread (`trio.from_thread`), so the index has
+one writer; file data moves in the handler threads with pread/pwrite on the
+RAM tier's files, off the thread that serves FUSE.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from concurrent import futures
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import trio
+
+from mtcfs.integrity import BlockVerifier
+from mtcfs.peer import security
+from mtcfs.peer.security import BadRequest
+from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
+from mtcfs.tiers.ram import RamTierFull
+
+if TYPE_CHECKING:
+    from mtcfs.peer.tier import PeerTier
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+
+
+class Refused(Exception):
+    """A request this host cannot serve now: the status code says why."""
+
+    def __init__(self, code: grpc.StatusCode, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class PeerService(pb_grpc.PeerServicer):
+    def __init__(self, tier: PeerTier, token: trio.lowlevel.TrioToken) -> None:
+        self.tier = tier
+        self.token = token
+
+    def _in_trio(self, fn: Any, *args: Any) -> Any:
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
+
+    @staticmethod
+    def _fail(context: grpc.ServicerContext, e: Exception) -> None:
+        if isinstance(e, BadRequest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(e, Refused):
+            context.abort(e.code, str(e))
+        if isinstance(e, RamTierFull):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        raise e
+
+    # -- index ---------------------------------------------------------------------
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        return self.tier.health_reply()
+
+    def Broadcast(self, request: pb.ChangeBatch, context: grpc.ServicerContext) -> pb.BatchReply:
+        try:
+            security.check_batch(request)
+            applied = self._in_trio(self.tier.on_batch, request)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.BatchReply(applied=applied, lamport=self.tier.index.clock)
+
+    def Snapshot(self, request: pb.SnapshotRequest,
+                 context: grpc.ServicerContext) -> Iterator[pb.Entry]:
+        entries = self._in_trio(lambda: list(self.tier.index.snapshot()))
+        yield from entries
+
+    def ListHeld(self, request: pb.ListHeldRequest,
+                 context: grpc.ServicerContext) -> pb.ListHeldReply:
+        return pb.ListHeldReply(node_id=self.tier.node_id, files=self._in_trio(self.tier.held))
+
+    # -- data ----------------------------------------------------------------------
+
+    def PushFile(self, request_iterator: Iterator[pb.PushChunk],
+                 context: grpc.ServicerContext) -> pb.PushReply:
+        first = next(request_iterator, None)
+        try:
+            if first is None or not first.HasField("header"):
+                raise BadRequest("the first message of a push must carry the header")
+            header = first.header
+            security.check_entry(header.entry)
+            security.check_path(header.path)
+            e = header.entry
+            if e.removed or not e.has_crc:
+                raise BadRequest("a pushed file needs its crc32c")
+            key, tmp = self._in_trio(self.tier.begin_receive, e)
+        except Exception as exc:
+            self._fail(context, exc)
+        ok = False
+        try:
+            self._receive(first, request_iterator, e, tmp)
+            ok = self._in_trio(self.tier.finish_receive, e, key, tmp)
+        except Exception as exc:
+            self._in_trio(self.tier.ram.abort_incoming, key, tmp)
+            log.warning("replica of %s from %s rejected: %s", header.path, e.writer, exc)
+            self._fail(context, exc)
+        finally:
+            if not ok:
+                self._in_trio(self.tier.ram.abort_incoming, key, tmp)
+        return pb.PushReply(stored=ok, node_id=self.tier.node_id)
+
+    @staticmethod
+    def _receive(first: pb.PushChunk, rest: Iterator[pb.PushChunk], e: pb.Entry,
+                 tmp: str) -> None:
+        """Write the chunks in order, verifying each block and the whole file."""
+        verify = BlockVerifier(e.size, e.crc32c, bytes(e.block_crcs) or None)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            chunk: pb.PushChunk | None = first
+            while chunk is not None:
+                if chunk.data:
+                    if chunk.offset != verify.offset:
+                        raise BadRequest(f"chunk at {chunk.offset}, expected {verify.offset}")
+                    if chunk.offset + len(chunk.data) > e.size:
+                        raise BadRequest("more data than the file's size")
+                    verify.feed(chunk.data)  # raises IntegrityError on a bad block
+                    os.pwrite(fd, chunk.data, chunk.offset)
+                chunk = next(rest, None)
+            verify.finish()
+        finally:
+            os.close(fd)
+
+    def FetchFile(self, request: pb.FetchRequest,
+                  context: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
+        try:
+            security.check_id(request.id)
+            security.check_path(request.path)
+            fd, size = self._in_trio(self.tier.open_for_fetch, request.id, request.version)
+        except Exception as e:
+            self._fail(context, e)
+        try:
+            end = size if request.length == 0 else min(size, request.offset + request.length)
+            off = request.offset
+            while off < end and context.is_active():
+                data = os.pread(fd, min(CHUNK, end - off), off)
+                if not data:
+                    break
+                yield pb.DataChunk(offset=off, data=data)
+                off += len(data)
+        finally:
+            os.close(fd)
+
+
+def start_server(tier: PeerTier, listen: str, token: trio.lowlevel.TrioToken,
+                 secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
+                 workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start listening on `listen` only; returns the server and the bound port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-rpc"),
+        interceptors=[security.TokenInterceptor(secret)],
+        options=[
+            ("grpc.max_receive_message_length", security.MAX_MESSAGE),
+            ("grpc.max_send_message_length", security.MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_PeerServicer_to_server(PeerService(tier, token), server)
+    if tls is not None:
+        cert, key, ca = tls
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                            require_client_auth=ca is not None)
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    server.start()
+    return server, port

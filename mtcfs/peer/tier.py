@@ -1,0 +1,543 @@
+"""The peer tier: this host's part in the job's one filesystem.
+
+- The replicated index (mtcfs.peer.index) is kept in step by broadcasting
+  local changes in small batches, one ordered queue per peer.
+- Each sealed file is pushed to K peers (mtcfs.peer.placement), in the
+  background, with bounded concurrency; a replica counts once the receiver
+  has verified it and stored it in its RAM tier.
+- Files whose data is elsewhere are fetched from a live holder, block by block
+  verified against the index's per-block crc32cs (mtcfs.readthrough drives it).
+
+Runs in the daemon's trio thread; blocking gRPC calls run in worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import grpc
+import trio
+
+from mtcfs.fs.namespace import CLOSED, Inode, Namespace
+from mtcfs.integrity import BlockVerifier, IntegrityError
+from mtcfs.peer import placement
+from mtcfs.peer.index import Hooks, ReplicatedIndex
+from mtcfs.peer.membership import Membership, Peer
+from mtcfs.peer.security import BadRequest
+from mtcfs.peer.server import CHUNK, Refused, start_server
+from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.tiers.ram import RamTier
+
+log = logging.getLogger(__name__)
+
+BROADCAST_TIMEOUT = 5.0
+SNAPSHOT_TIMEOUT = 60.0
+STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
+MAX_BATCH = 2000
+MAX_QUEUE = 200_000
+REPLICATION_WORKERS = 2
+
+
+class PeerFetchError(OSError):
+    pass
+
+
+@dataclass
+class Stats:
+    replicas_sent: int = 0
+    replica_bytes_sent: int = 0
+    replicas_received: int = 0
+    replica_bytes_received: int = 0
+    replica_failures: int = 0
+    fetched_files: int = 0
+    fetched_bytes: int = 0
+    fetch_failures: int = 0
+    integrity_errors: int = 0
+    batches_sent: int = 0
+    entries_sent: int = 0
+    batches_received: int = 0
+    snapshots_pulled: int = 0
+    last_error: str = ""
+
+
+class _Progress:
+    """Shared between a transfer's worker thread and its watchdog."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.call: Any = None
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+
+class PeerTier(Hooks):
+    def __init__(self, ns: Namespace, ram: RamTier, node_id: str, listen: str,
+                 peers: list[str], peers_file: str | None, replicas: int,
+                 secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None = None,
+                 failure_domain: str = "") -> None:
+        self.ns = ns
+        self.ram = ram
+        self.node_id = node_id
+        self.listen = listen
+        self.replicas = replicas
+        self.secret = secret
+        self.tls = tls
+        self.failure_domain = failure_domain
+        self.index = ReplicatedIndex(ns, node_id, self)
+        self.index.outbox = self._send
+        self.members = Membership(listen, node_id, peers, peers_file, secret, tls)
+        self.members.on_alive = self._on_alive
+        self.members.on_dead = self._on_dead
+        self.members.health_request = lambda: pb.HealthRequest(from_node=node_id,
+                                                               lamport=self.index.clock)
+        self.stats = Stats()
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self._queues: dict[str, list[pb.Entry]] = {}
+        self._sending: set[str] = set()
+        self._wake_broadcast = trio.Event()
+        self.repl_queue: dict[int, Inode] = {}
+        self.replicating: dict[int, Inode] = {}
+        self._wake_repl = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._started = False
+        self._limiter = trio.CapacityLimiter(32)
+        # The FUSE layer sets these: drop kernel caches of names/inodes a remote
+        # change touched; unlinked nodes are dropped once nothing uses them.
+        self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
+        self.removed_hook: Callable[[Inode], None] | None = None
+        self.on_replicated: Callable[[Inode], None] = lambda node: None
+
+    # -- start-up --------------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Listen, find the live peers and pull their snapshots (before the mount
+        is announced live, so a new host sees the whole tree at once)."""
+        self._nursery = nursery
+        self.server, self.port = start_server(self, self.listen,
+                                              trio.lowlevel.current_trio_token(),
+                                              self.secret, self.tls)
+        await self.members.check_all()
+        async with trio.open_nursery() as n:
+            for p in self.members.live():
+                n.start_soon(self.catch_up, p)
+        self._started = True
+        for p in self.members.peers.values():
+            p.ever_alive = p.ever_alive or p.alive
+        self._requeue_unreplicated()
+        nursery.start_soon(self.members.run)
+        nursery.start_soon(self._broadcast_loop)
+        for _ in range(REPLICATION_WORKERS):
+            nursery.start_soon(self._replication_worker)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        self.members.close()
+
+    def _on_alive(self, p: Peer) -> None:
+        if self._started and self._nursery is not None:
+            # Back after a restart or a partition: merge what it has that we missed.
+            self._nursery.start_soon(self.catch_up, p)
+        if self.repl_queue or self._short_of_replicas():
+            self._requeue_unreplicated()
+
+    def _on_dead(self, p: Peer) -> None:
+        self._requeue_unreplicated()
+
+    async def catch_up(self, p: Peer) -> None:
+        def pull() -> list[pb.Entry]:
+            call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id),
+                                   timeout=SNAPSHOT_TIMEOUT, metadata=self.members.metadata)
+            return list(call)
+
+        try:
+            entries = await trio.to_thread.run_sync(pull, limiter=self._limiter)
+        except grpc.RpcError as e:
+            self._error(f"snapshot from {p.addr}: {e.code().name}: {e.details()}")
+            return
+        good = []
+        for e in entries:
+            try:
+                from mtcfs.peer.security import check_entry
+
+                check_entry(e)
+                good.append(e)
+            except BadRequest as err:
+                self._error(f"snapshot from {p.addr}: {err}")
+        applied = self.index.apply(good)
+        self.stats.snapshots_pulled += 1
+        p.ever_alive = True
+        p.caught_up.set()
+        log.info("caught up with %s (%s): %d entries, %d applied", p.addr, p.node_id,
+                 len(entries), applied)
+
+    # -- hooks from the index (Hooks) ------------------------------------------------
+
+    def forget_data(self, node: Inode) -> None:
+        self.repl_queue.pop(node.ino, None)
+        self.ram.remove(node.ino)
+
+    def invalidate(self, parent: Inode, name: bytes, node: Inode | None) -> None:
+        if self.invalidate_hook is not None:
+            self.invalidate_hook(parent, name, node)
+
+    def removed(self, node: Inode) -> None:
+        self.repl_queue.pop(node.ino, None)
+        if self.removed_hook is not None:
+            self.removed_hook(node)
+
+    # -- notifications from the filesystem ------------------------------------------
+
+    def on_sealed(self, node: Inode) -> None:
+        node.holders = [self.node_id]
+        self.index.changed(node)
+        if self.replicas > 0:
+            self.repl_queue[node.ino] = node
+            self._wake_repl.set()
+
+    def on_changed(self, *nodes: Inode) -> None:
+        self.index.changed(*nodes)
+
+    def on_removed(self, node: Inode) -> None:
+        self.repl_queue.pop(node.ino, None)
+        self.index.removed(node)
+
+    # -- broadcast -------------------------------------------------------------------
+
+    def _send(self, entries: list[pb.Entry]) -> None:
+        for addr in self.members.peers:
+            q = self._queues.setdefault(addr, [])
+            if len(q) + len(entries) > MAX_QUEUE:
+                q.clear()  # it will catch up from a snapshot when it is back
+            q.extend(entries)
+        self._wake_broadcast.set()
+
+    async def _broadcast_loop(self) -> None:
+        assert self._nursery is not None
+        while True:
+            await self._wake_broadcast.wait()
+            self._wake_broadcast = trio.Event()
+            for addr, q in list(self._queues.items()):
+                p = self.members.peers.get(addr)
+                if p is None:
+                    del self._queues[addr]
+                elif q and addr not in self._sending and p.alive:
+                    self._sending.add(addr)
+                    self._nursery.start_soon(self._flush, p)
+
+    async def _flush(self, p: Peer) -> None:
+        try:
+            while p.alive and not p.removed:
+                q = self._queues.get(p.addr)
+                if not q:
+                    return
+                batch = q[:MAX_BATCH]
+                msg = pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock,
+                                     entries=batch)
+                try:
+                    await trio.to_thread.run_sync(
+                        partial(p.stub.Broadcast, msg, timeout=BROADCAST_TIMEOUT,
+                                metadata=self.members.metadata),
+                        limiter=self._limiter)
+                except grpc.RpcError as e:
+                    self.members.failed(p, f"broadcast: {e.code().name}")
+                    await trio.sleep(0.2)
+                    continue
+                del q[:len(batch)]
+                self.stats.batches_sent += 1
+                self.stats.entries_sent += len(batch)
+        finally:
+            self._sending.discard(p.addr)
+            if self._queues.get(p.addr) and p.alive:
+                self._wake_broadcast.set()
+
+    def on_batch(self, batch: pb.ChangeBatch) -> int:
+        """A batch from a peer (called in the trio thread by the server)."""
+        self.stats.batches_received += 1
+        n = self.index.apply(list(batch.entries))
+        return n
+
+    def quiet(self) -> bool:
+        """Nothing waiting to be broadcast or replicated."""
+        return (not any(self._queues.get(p.addr) for p in self.members.live())
+                and not self.repl_queue and not self.replicating)
+
+    # -- replication (sender) --------------------------------------------------------
+
+    def _short_of_replicas(self) -> bool:
+        return any(self._needs_copies(n) for n in self.ns.files())
+
+    def _needs_copies(self, node: Inode) -> bool:
+        return (self.replicas > 0 and node.linked and node.state == CLOSED and node.has_data
+                and not node.dirty and node.writer == self.node_id
+                and len([h for h in node.holders if h != self.node_id]) < self.replicas)
+
+    def _requeue_unreplicated(self) -> None:
+        for node in self.ns.files():
+            if self._needs_copies(node) and node.ino not in self.replicating:
+                self.repl_queue[node.ino] = node
+        if self.repl_queue:
+            self._wake_repl.set()
+
+    async def _replication_worker(self) -> None:
+        while True:
+            while not self.repl_queue:
+                await self._wake_repl.wait()
+                self._wake_repl = trio.Event()
+            ino, node = next(iter(self.repl_queue.items()))
+            del self.repl_queue[ino]
+            if not self._needs_copies(node) or ino in self.replicating:
+                continue
+            self.replicating[ino] = node
+            try:
+                await self._replicate(node)
+            finally:
+                self.replicating.pop(ino, None)
+
+    async def _replicate(self, node: Inode) -> None:
+        version = node.version
+        tried: set[str] = set()
+        while self._needs_copies(node):
+            if node.version != version:  # sealed again meanwhile: replicate the new one
+                version, tried = node.version, set()
+            ranked = placement.rank(self.node_id, self.failure_domain, self.members.live())
+            target = next((p for p in ranked if p.node_id not in node.holders
+                           and p.node_id not in tried), None)
+            if target is None:
+                log.debug("%s: no peer available for another replica", self.ns.path_of(node))
+                return  # requeued when a peer comes alive
+            tried.add(target.node_id)
+            if await self._push(node, target) and node.version == version and node.linked:
+                if target.node_id not in node.holders:
+                    node.holders.append(target.node_id)
+                self.ns.persist(node)
+                self.index.holders_changed(node)
+                self.on_replicated(node)
+
+    async def _push(self, node: Inode, p: Peer) -> bool:
+        entry = self.index.entry_of(node)
+        path = self.ns.path_of(node)
+        size = node.size
+        try:
+            fd = os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        prog = _Progress()
+        t0 = time.monotonic()
+
+        def chunks() -> Any:
+            yield pb.PushChunk(header=pb.PushHeader(entry=entry, path=path))
+            off = 0
+            while off < size:
+                data = os.pread(fd, min(CHUNK, size - off), off)
+                if not data:
+                    return
+                yield pb.PushChunk(offset=off, data=data)
+                off += len(data)
+                prog.tick()
+
+        def call() -> pb.PushReply:
+            fut = p.stub.PushFile.future(chunks(), timeout=60 + size / (20 << 20),
+                                         metadata=self.members.metadata)
+            prog.call = fut
+            return fut.result()
+
+        p.busy += 1
+        try:
+            reply = await self._watched(call, prog)
+        except grpc.RpcError as e:
+            self.stats.replica_failures += 1
+            code = e.code()
+            self._error(f"replica of {path} to {p.addr} ({p.node_id}): {code.name}: "
+                        f"{e.details()}")
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.CANCELLED):
+                self.members.failed(p, f"push: {code.name}")
+            return False
+        finally:
+            p.busy -= 1
+            os.close(fd)
+        if not reply.stored:
+            return False
+        self.stats.replicas_sent += 1
+        self.stats.replica_bytes_sent += size
+        log.info("replicated %s to %s (%d bytes, %.2f s)", path, p.node_id, size,
+                 time.monotonic() - t0)
+        return True
+
+    async def _watched(self, fn: Callable[[], Any], prog: _Progress) -> Any:
+        """Run a blocking transfer in a thread; cancel it when it stops making progress
+        (a partitioned peer must not hang a reader or a replication)."""
+        result: list[Any] = []
+        failure: list[BaseException] = []
+
+        async def run(cancel_scope: trio.CancelScope) -> None:
+            try:
+                result.append(await trio.to_thread.run_sync(fn, limiter=self._limiter))
+            except Exception as e:  # re-raised below, not as an exception group
+                failure.append(e)
+            cancel_scope.cancel()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(run, n.cancel_scope)
+            while True:
+                await trio.sleep(0.5)
+                if time.monotonic() - prog.last > STALL_TIMEOUT and prog.call is not None:
+                    prog.call.cancel()
+                    prog.last = time.monotonic()
+        if failure:
+            raise failure[0]
+        return result[0]
+
+    # -- replication (receiver) ------------------------------------------------------
+
+    def begin_receive(self, e: pb.Entry) -> tuple[int, str]:
+        node = self.ns.by_global_id(self.index.resolve(e.id))
+        if node is not None and node.linked and node.version == e.version and node.has_data:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, "this node already holds it")
+        if node is not None and node.linked and node.dirty:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "being rewritten here")
+        return self.ram.begin_incoming(e.size)
+
+    def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
+        self.index.apply([e])
+        node = self.ns.by_global_id(self.index.resolve(e.id))
+        if (node is None or not node.linked or node.version != e.version
+                or node.crc32c != e.crc32c or node.dirty):
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          "the file changed here meanwhile")
+        if not node.has_data:
+            self.ram.install_incoming(key, tmp, node.ino)
+            node.has_data = True
+        if self.node_id not in node.holders:
+            node.holders.append(self.node_id)
+        with self.ns.store.transaction():
+            self.ns.persist(node)
+        self.stats.replicas_received += 1
+        self.stats.replica_bytes_received += e.size
+        return True
+
+    # -- serving data ----------------------------------------------------------------
+
+    def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]:
+        node = self.ns.by_global_id(self.index.resolve(guid))
+        if node is None or not node.linked:
+            raise Refused(grpc.StatusCode.NOT_FOUND, "no such file here")
+        if not node.has_data or node.state != CLOSED or node.dirty:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no complete copy here")
+        if version and node.version != version:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"version {node.version} here, {version} asked for")
+        return os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC), node.size
+
+    def held(self) -> list[pb.HeldFile]:
+        return [pb.HeldFile(id=n.guid, path=self.ns.path_of(n), version=n.version, size=n.size,
+                            crc32c=n.crc32c or 0)
+                for n in self.ns.files()
+                if n.linked and n.has_data and n.state == CLOSED and not n.dirty]
+
+    def health_reply(self) -> pb.HealthReply:
+        return pb.HealthReply(node_id=self.node_id, lamport=self.index.clock,
+                              failure_domain=self.failure_domain,
+                              ram_capacity=self.ram.capacity,
+                              ram_free=max(0, self.ram.capacity - self.ram.used),
+                              entries=len(self.ns.inodes))
+
+    # -- fetching from holders -------------------------------------------------------
+
+    def holders_of(self, node: Inode) -> list[Peer]:
+        """Live peers holding this version: the least busy first."""
+        peers = [p for h in node.holders if h != self.node_id
+                 for p in [self.members.by_node(h)] if p is not None]
+        random.shuffle(peers)
+        return sorted(peers, key=lambda p: p.busy)
+
+    async def download(self, node: Inode, fd: int,
+                       on_verified: Callable[[int, int], None]) -> str:
+        """Fill fd with the node's current version from a holder; each block is
+        reported through on_verified (in this thread) once its crc32c matched.
+        Returns the node id it came from; raises PeerFetchError when no holder
+        could deliver it."""
+        version, size = node.version, node.size
+        good = [0]  # bytes from offset 0 verified so far: the next holder resumes there
+        errors = []
+        for p in self.holders_of(node):
+            try:
+                await self._fetch_from(p, node, fd, version, size, good, on_verified)
+            except (grpc.RpcError, IntegrityError, OSError) as e:
+                self.stats.fetch_failures += 1
+                if isinstance(e, IntegrityError):
+                    self.stats.integrity_errors += 1
+                why = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
+                       else str(e))
+                errors.append(f"{p.node_id}: {why}")
+                self._error(f"fetching {self.ns.path_of(node)} from {p.node_id}: {why}")
+                continue
+            self.stats.fetched_files += 1
+            self.stats.fetched_bytes += size
+            return p.node_id
+        raise PeerFetchError(5, "no peer could deliver it (" + ("; ".join(errors) or
+                                                                 "no live holder") + ")")
+
+    async def _fetch_from(self, p: Peer, node: Inode, fd: int, version: int, size: int,
+                          good: list[int], on_verified: Callable[[int, int], None]) -> None:
+        verify = BlockVerifier(size, node.crc32c or 0, node.block_crcs, start=good[0])
+        token = trio.lowlevel.current_trio_token()
+        prog = _Progress()
+        req = pb.FetchRequest(id=node.guid, version=version, offset=verify.offset,
+                              path=self.ns.path_of(node))
+
+        def report(off: int, length: int) -> None:
+            trio.from_thread.run_sync(on_verified, off, length, trio_token=token)
+
+        def run() -> int:
+            call = p.stub.FetchFile(req, timeout=60 + size / (20 << 20),
+                                    metadata=self.members.metadata)
+            prog.call = call
+            for chunk in call:
+                if chunk.offset != verify.offset:
+                    raise IntegrityError(f"chunk at {chunk.offset}, expected {verify.offset}")
+                os.pwrite(fd, chunk.data, chunk.offset)
+                for off, length in verify.feed(chunk.data):
+                    report(off, length)
+                prog.tick()
+            for off, length in verify.finish():
+                report(off, length)
+            return verify.offset
+
+        p.busy += 1
+        try:
+            await self._watched(run, prog)
+        finally:
+            p.busy -= 1
+            good[0] = verify.good
+
+    # -- status ----------------------------------------------------------------------
+
+    def _error(self, msg: str) -> None:
+        self.stats.last_error = msg
+        log.error("%s", msg)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "listen": self.listen,
+            "port": self.port,
+            "replicas": self.replicas,
+            "failure_domain": self.failure_domain or None,
+            "peers": [p.describe() for p in self.members.peers.values()],
+            "live_peers": len(self.members.live()),
+            "replication_queue": len(self.repl_queue) + len(self.replicating),
+            "broadcast_queue": sum(len(q) for q in self._queues.values()),
+            "index": self.index.status(),
+            **{k: v for k, v in vars(self.stats).items() if k != "last_error"},
+            "last_error": self.stats.last_error or None,
+        }

@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HealthRequest(_message.Message):
+    __slots__ = ("from_node", "lamport")
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    from_node: str
+    lamport: int
+    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ...) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("node_id", "lamport", "failure_domain", "ram_capacity", "ram_free", "entries")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    RAM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RAM_FREE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lamport: int
+    failure_domain: str
+    ram_capacity: int
+    ram_free: int
+    entries: int
+    def __init__(self, node_id: _Optional[str] = ..., lamport: _Optional[int] = ..., failure_domain: _Optional[str] = ..., ram_capacity: _Optional[int] = ..., ram_free: _Optional[int] = ..., entries: _Optional[int] = ...) -> None: ...
+
+class Entry(_message.Message):
+    __slots__ = ("id", "parent", "name", "mode", "uid", "gid", "mtime_ns", "ctime_ns", "size", "has_crc", "crc32c", "version", "holders", "target", "lamport", "writer", "removed", "block_size", "block_crcs", "persisted_version", "generation")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    CTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_CRC_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CRCS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    parent: str
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    ctime_ns: int
+    size: int
+    has_crc: bool
+    crc32c: int
+    version: int
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    target: bytes
+    lamport: int
+    writer: str
+    removed: bool
+    block_size: int
+    block_crcs: bytes
+    persisted_version: int
+    generation: int
+    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., name: _Optional[bytes] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ..., size: _Optional[int] = ..., has_crc: _Optional[bool] = ..., crc32c: _Optional[int] = ..., version: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., target: _Optional[bytes] = ..., lamport: _Optional[int] = ..., writer: _Optional[str] = ..., removed: _Optional[bool] = ..., block_size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., persisted_version: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ChangeBatch(_message.Message):
+    __slots__ = ("from_node", "lamport", "entries")
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    from_node: str
+    lamport: int
+    entries: _containers.RepeatedCompositeFieldContainer[Entry]
+    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ...) -> None: ...
+
+class BatchReply(_message.Message):
+    __slots__ = ("applied", "lamport")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    lamport: int
+    def __init__(self, applied: _Optional[int] = ..., lamport: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("from_node",)
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    from_node: str
+    def __init__(self, from_node: _Optional[str] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("entry", "path")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    entry: Entry
+    path: str
+    def __init__(self, entry: _Optional[_Union[Entry, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "offset", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    offset: int
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("stored", "node_id")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    node_id: str
+    def __init__(self, stored: _Optional[bool] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("id", "version", "offset", "length", "path")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    version: int
+    offset: int
+    length: int
+    path: str
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class DataChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ListHeldRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeldFile(_message.Message):
+    __slots__ = ("id", "path", "version", "size", "crc32c")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    version: int
+    size: int
+    crc32c: int
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., version: _Optional[int] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class ListHeldReply(_message.Message):
+    __slots__ = ("node_id", "files")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    files: _containers.RepeatedCompositeFieldContainer[HeldFile]
+    def __init__(self, node_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[HeldFile, _Mapping]]] = ...) -> None: ...
