@@ -118,6 +118,48 @@ class ControlHandler:
             "finished": not waiting,
         }
 
+    # -- prefetch -----------------------------------------------------------------
+
+    def op_prefetch(self, req: dict[str, Any]) -> Reply:
+        rt = self.fs.readthrough
+        try:
+            nodes = self._resolve([str(p) for p in req.get("paths") or []])
+        except FileNotFoundError as e:
+            return {"ok": False, "error": str(e)}
+        files = [n for n in nodes if n.state == CLOSED]
+        missing = [n for n in files if not n.has_data]
+        need = sum(n.size for n in missing)
+        free = self.fs.ram.capacity - self.fs.ram.used
+        if missing and rt is None:
+            return {"ok": False, "error": "this mount has no peers and no durable tier to "
+                                          "fetch from"}
+        if need > free:
+            return {"ok": False, "error": f"the RAM tier cannot hold it: {need} bytes to fetch, "
+                                          f"{free} free (--ram-size)"}
+        if missing and rt is not None:
+            rt.prefetch(missing, parallel=int(req.get("parallel") or 4))
+        return {"ok": True, "inos": [n.ino for n in files], "files": len(files),
+                "bytes": sum(n.size for n in files), "to_fetch": len(missing),
+                "bytes_to_fetch": need}
+
+    def op_prefetch_progress(self, req: dict[str, Any]) -> Reply:
+        rt = self.fs.readthrough
+        nodes = [n for ino in req.get("inos") or [] if (n := self.fs.ns.get(int(ino)))]
+        live = [n for n in nodes if n.linked]
+        errors = rt.prefetch_errors if rt is not None else {}
+        failed = {self.fs.ns.path_of(n): errors[n.ino] for n in live if n.ino in errors}
+        done = [n for n in live if n.has_data]
+        return {
+            "ok": True,
+            "files_total": len(live),
+            "files_done": len(done),
+            "bytes_total": sum(n.size for n in live),
+            "bytes_done": sum(rt.fetched_bytes(n) if rt is not None else 0 for n in live),
+            "failed": failed,
+            "sources": dict(rt.sources) if rt is not None else {},
+            "finished": all(n.has_data or n.ino in errors for n in live),
+        }
+
     # -- steps --------------------------------------------------------------------
 
     def op_steps(self, req: dict[str, Any]) -> Reply:

@@ -230,6 +230,10 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
     peers.invalidate_hook = invalidate
     peers.removed_hook = fs.drop_if_unused
     fs.peers = peers
+    if fs.uploader is not None:
+        fs.uploader.node_id = opts.node_id
+        fs.uploader.on_persisted = peers.index.holders_changed
+        peers.on_remote = fs.uploader.on_remote
     if fs.readthrough is None:
         fs.readthrough = ReadThrough(fs.ns, fs.ram, None, peers=peers)
     else:

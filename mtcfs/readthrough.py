@@ -19,6 +19,7 @@ has matched. Bad data is never served.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import stat
@@ -114,6 +115,7 @@ class ReadThrough:
         self.fetches: dict[int, Fetch] = {}
         self.stats = Stats()
         self.sources: dict[str, int] = {}  # bytes fetched, by where they came from
+        self.prefetch_errors: dict[int, str] = {}
         self._nursery: trio.Nursery | None = None
         # (parent ino, name, old ino) of files a refresh replaced by a new inode
         self._replaced: list[tuple[int, bytes, int]] = []
@@ -179,7 +181,8 @@ class ReadThrough:
             d = child
         node = self.ns.child(d, parts[-1])
         if node is None:
-            node = self.ns.new_inode(d, parts[-1], stat.S_IFREG | 0o644, 0, 0)
+            node = self.ns.new_inode(d, parts[-1], stat.S_IFREG | 0o644, 0, 0,
+                                     global_id=object_guid(obj))
             self._take_remote(node, obj)
             node.has_data = False
             self.ns.persist(node)
@@ -215,7 +218,8 @@ class ReadThrough:
             self.ns.store.delete_inode(old.ino)  # forgotten when the kernel lets go
         else:
             self.ns.drop(old)
-        node = self.ns.new_inode(d, name, old.mode, old.uid, old.gid)
+        node = self.ns.new_inode(d, name, old.mode, old.uid, old.gid,
+                                 global_id=object_guid(obj))
         self._take_remote(node, obj)
         node.version = old.version + 1
         node.persisted_version = node.version
@@ -364,6 +368,32 @@ class ReadThrough:
             if (f.done or f.error) and self.fetches.get(node.ino) is f:
                 self.fetches.pop(node.ino)
 
+    def prefetch(self, nodes: list[Inode], parallel: int = 4) -> None:
+        """Fetch these files into the RAM tier in the background, `parallel` at a time
+        (`mtcfs prefetch`); failures are kept in prefetch_errors."""
+        assert self._nursery is not None
+        limiter = trio.CapacityLimiter(parallel)
+
+        async def one(node: Inode) -> None:
+            async with limiter:
+                if node.has_data or not node.linked:
+                    return
+                try:
+                    await self.wait_complete(node)
+                except OSError as e:
+                    self.prefetch_errors[node.ino] = e.strerror or str(e)
+
+        for node in nodes:
+            self.prefetch_errors.pop(node.ino, None)
+            self._nursery.start_soon(one, node)
+
+    def fetched_bytes(self, node: Inode) -> int:
+        """Bytes of a file in the RAM tier (verified so far, while it is fetched)."""
+        if node.has_data:
+            return node.size
+        f = self.fetches.get(node.ino)
+        return sum(e - s for s, e in f.ranges) if f is not None else 0
+
     async def wait_range(self, node: Inode, off: int, size: int) -> None:
         end = min(off + size, node.size)
         f = self.fetches.get(node.ino) or self.start(node)
@@ -430,3 +460,9 @@ class ReadThrough:
             "refresh_seconds": self.refresh,
             "bytes_by_source": dict(self.sources),
         }
+
+
+def object_guid(obj: ObjectInfo) -> str:
+    """The index id of a file known from the bucket: the same on every host that
+    lists it, so hosts merging their listings agree on one entry."""
+    return "gcs" + hashlib.sha256(f"{obj.key}\0{obj.generation}".encode()).hexdigest()[:29]

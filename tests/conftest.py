@@ -190,3 +190,195 @@ def make_gcs_server() -> Iterator:
     yield make
     for server in servers:
         server.stop()
+
+
+# -- Clusters of peered daemons on loopback (peer tier tests) ------------------------------------
+# Appended section: several real daemons, each with its own FUSE mount, RAM dir and gRPC
+# port on 127.0.0.1, sharing one token file. Hosts are named a, b, c, ... (node ids node-a,
+# node-b, ...); a replacement host gets a new, empty RAM dir.
+
+import socket as _socket  # noqa: E402
+import threading as _threading  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor as _Pool  # noqa: E402
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now."""
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeerCluster:
+    """Hosts of one job on loopback. `hosts` maps a host name to its current daemon."""
+
+    def __init__(self, root: Path, ram_root: Path, replicas: int,
+                 extra: tuple[str, ...]) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ram_root = ram_root
+        self.replicas = replicas
+        self.extra = extra
+        self.token_file = root / "peer-token"
+        self.token_file.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
+        self.token_file.chmod(0o600)
+        self.hosts: dict[str, MtcfsMount] = {}
+        self.ports: dict[str, int] = {}
+        self.all: list[MtcfsMount] = []  # every daemon ever made, for clean-up
+        self._seq: dict[str, int] = {}
+        self._lock = _threading.Lock()
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def reserve(self, *names: str) -> None:
+        """Give hosts their addresses before any is defined (to list them as peers)."""
+        for name in names:
+            if name not in self.ports:
+                self.ports[name] = free_port()
+
+    def __getitem__(self, name: str) -> MtcfsMount:
+        return self.hosts[name]
+
+    def _new_dirs(self, name: str) -> tuple[Path, Path]:
+        """A fresh mountpoint and an empty RAM dir (suffixed for replacements)."""
+        with self._lock:
+            n = self._seq.get(name, 0)
+            self._seq[name] = n + 1
+        tag = name if n == 0 else f"{name}{n}"
+        mp = self.root / f"mnt-{tag}"
+        mp.mkdir()
+        return mp, self.ram_root / f"ram-{tag}"
+
+    def define(self, name: str, *, node_id: str | None = None,
+               peers: list[str] | None = None, extra: tuple[str, ...] = (),
+               replicas: int | None = None, ram_size: str = "2GiB",
+               mount: MtcfsMount | None = None) -> MtcfsMount:
+        """A host's daemon, not started. `peers`: host names or addresses (default: every
+        other host defined so far, and those defined later must list it). The same
+        address as before when `name` was defined already (a replacement)."""
+        if name not in self.ports:
+            self.ports[name] = free_port()
+        if peers is None:
+            peers = [h for h in self.ports if h != name]
+        addrs = [self.addr(p) if p in self.ports else p for p in peers]
+        args: tuple[str, ...] = ("--listen", self.addr(name), "--token-file",
+                                 str(self.token_file), "--replicas",
+                                 str(self.replicas if replicas is None else replicas))
+        if addrs:
+            args += ("--peers", ",".join(addrs))
+        if mount is None:
+            mp, ram = self._new_dirs(name)
+            mount = MtcfsMount(mp, ram, ram_size, node_id or f"node-{name}")
+        mount.extra = args + self.extra + tuple(extra)
+        self.hosts[name] = mount
+        if mount not in self.all:
+            self.all.append(mount)
+        return mount
+
+    def start(self, *names: str) -> list[MtcfsMount]:
+        """Start these hosts' daemons at the same time; wait until every mount is live."""
+        mounts = [self.hosts[n] for n in names]
+        with _Pool(max(1, len(mounts))) as pool:
+            futures = [pool.submit(m.start, 60) for m in mounts]
+            errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
+        return mounts
+
+    def add(self, name: str, **kw) -> MtcfsMount:
+        """Define and start one host."""
+        self.define(name, **kw)
+        return self.start(name)[0]
+
+    def replace(self, name: str, node_id: str | None = None, start: bool = True,
+                **kw) -> MtcfsMount:
+        """A replacement for host `name` (dead or stopped): a new mountpoint and an EMPTY
+        RAM dir, the same address and peers, the same node id unless another is given."""
+        old = self.hosts[name]
+        if old.proc is not None and old.proc.poll() is None:
+            old.stop()
+        force_unmount(str(old.path))
+        mp, ram = self._new_dirs(name)
+        m = MtcfsMount(mp, ram, old.ram_size, node_id or old.node_id)
+        m.extra = old.extra
+        self.hosts[name] = m
+        self.all.append(m)
+        if kw:
+            self.define(name, mount=m, **kw)
+        return m.start(60) if start else m
+
+    def restart(self, name: str) -> MtcfsMount:
+        """The same host again (same RAM dir, node id and address), after a crash or a stop."""
+        m = self.hosts[name]
+        if m.proc is not None and m.proc.poll() is None:
+            m.stop()
+        force_unmount(str(m.path))
+        return m.start(60)
+
+    def kill9(self, name: str) -> None:
+        """Crash a host's daemon and detach its dead mount."""
+        m = self.hosts[name]
+        m.kill9()
+        force_unmount(str(m.path))
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {m.node_id} ({m.ram_dir.name}) =====\n{m.log()}"
+                         for m in self.all)
+
+    def close(self) -> None:
+        def stop(m: MtcfsMount) -> None:
+            try:
+                m.stop()
+            except Exception:
+                pass
+            finally:
+                if m.proc is not None and m.proc.poll() is None:
+                    m.proc.kill()
+                    m.proc.wait()
+                force_unmount(str(m.path))
+
+        with _Pool(max(1, len(self.all))) as pool:
+            list(pool.map(stop, self.all))
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path, ram_root: Path, request: pytest.FixtureRequest) -> Iterator:
+    """make_cluster(n=3, replicas=1, extra=(), start=True) -> PeerCluster with hosts a, b, c...
+
+    Each host: `--listen 127.0.0.1:PORT --peers <all others> --token-file F --replicas K`
+    plus `extra`. The daemons start concurrently (each pulls the live peers' snapshots
+    at start-up). Use cluster.add/replace/restart/kill9 for more hosts, replacements
+    (empty RAM dir) and crashes. Everything is stopped and unmounted at the end, and the
+    daemons' logs are printed when the test failed.
+    """
+    clusters: list[PeerCluster] = []
+
+    def make(n: int = 3, replicas: int = 1, extra: tuple[str, ...] = (),
+             start: bool = True) -> PeerCluster:
+        c = PeerCluster(tmp_path / f"cluster{len(clusters)}", ram_root, replicas, extra)
+        clusters.append(c)
+        names = [chr(ord("a") + i) for i in range(n)]
+        for name in names:
+            c.ports[name] = free_port()
+        for name in names:
+            c.define(name)
+        if start:
+            c.start(*names)
+        return c
+
+    yield make
+    failed = getattr(request.node, "rep_call", None)
+    for c in clusters:
+        if failed is not None and failed.failed:
+            print(c.logs()[-30000:])
+        c.close()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Record each phase's report on the item (make_cluster prints logs on failure)."""
+    rep = yield
+    setattr(item, "rep_" + rep.when, rep)
+    return rep

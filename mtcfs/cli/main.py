@@ -10,12 +10,12 @@ from mtcfs import __version__
 from mtcfs.cli.demo import demo
 from mtcfs.cli.mount import mount
 from mtcfs.cli.persist import persist
+from mtcfs.cli.prefetch import prefetch
 from mtcfs.cli.status import status
 from mtcfs.cli.steps import steps
 from mtcfs.cli.umount import umount
 
 _LATER = {
-    "prefetch": "comes with the peer tier",
     "csi": "the CSI node plugin",
     "controller": "the Kubernetes controller",
 }
@@ -33,6 +33,7 @@ cli.add_command(status)
 cli.add_command(demo)
 cli.add_command(persist)
 cli.add_command(steps)
+cli.add_command(prefetch)
 
 
 def _not_yet(name: str, why: str) -> click.Command:

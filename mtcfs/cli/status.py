@@ -56,6 +56,34 @@ def status(mountpoint: str, as_json: bool) -> None:
             t.add_row("last error", err)
     else:
         t.add_row("durable tier", "none (mount with --bucket)")
+    p = st.get("peers")
+    if p:
+        live = p["live_peers"]
+        t.add_row("peer tier", f"listening on {p['listen']}, {live} of {len(p['peers'])} peers "
+                               f"alive, K={p['replicas']}"
+                               + (f", failure domain {p['failure_domain']}"
+                                  if p["failure_domain"] else ""))
+        for peer in p["peers"]:
+            seen = peer["last_seen_seconds"]
+            t.add_row("", f"{peer['address']} {peer['node_id'] or '?'}: "
+                          + ("alive" if peer["alive"] else "DEAD")
+                          + (f", seen {seen:.0f} s ago" if seen is not None else ", never seen"))
+        t.add_row("replication", f"{p['replication_queue']} files waiting; "
+                                 f"{p['replicas_sent']} replicas / "
+                                 f"{format_size(p['replica_bytes_sent'])} sent, "
+                                 f"{p['replicas_received']} / "
+                                 f"{format_size(p['replica_bytes_received'])} received, "
+                                 f"{p['replica_failures']} failed")
+        idx = p["index"]
+        t.add_row("index", f"{idx['entries']} entries, clock {idx['clock']}, "
+                           f"{p['broadcast_queue']} changes to send, {idx['conflicts']} conflicts")
+        t.add_row("peer reads", f"{p['fetched_files']} files / "
+                                f"{format_size(p['fetched_bytes'])} fetched, "
+                                f"{p['integrity_errors']} checksum errors")
+        if p["last_error"]:
+            t.add_row("last peer error", p["last_error"])
+    else:
+        t.add_row("peer tier", "none (mount with --listen and --peers)")
     if ram["enospc"]:
         t.add_row("ENOSPC", f"{ram['enospc']} writes refused: the RAM tier was full")
     Console().print(t)

@@ -77,6 +77,7 @@ class ReplicatedIndex:
                          + [lam for lam, _, _ in self.tombstones.values()] + [0])
         self.stats = Stats()
         self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
+        self.touched: list[Inode] = []  # nodes the last apply() created or changed
 
     # -- local changes -------------------------------------------------------------
 
@@ -158,6 +159,7 @@ class ReplicatedIndex:
     def apply(self, entries: list[pb.Entry]) -> int:
         """Apply a batch from a peer (in the trio thread). Returns how many changed us."""
         applied = 0
+        self.touched = []
         with self.ns.store.transaction():
             for e in entries:
                 self.clock = max(self.clock, e.lamport)
@@ -243,6 +245,7 @@ class ReplicatedIndex:
         if node.is_file:
             self._set_content(node, e)
         self.ns.persist(node)
+        self.touched.append(node)
         self.hooks.invalidate(parent, e.name, None)
         if node.is_dir:
             self._release_pending(e.id)
@@ -278,6 +281,7 @@ class ReplicatedIndex:
         if node.is_file:
             self._set_content(node, e)
         self.ns.persist(node)
+        self.touched.append(node)
         return True
 
     @staticmethod
@@ -294,6 +298,7 @@ class ReplicatedIndex:
             return False
         node.holders.extend(h for h in new if h)
         self.ns.persist(node)
+        self.touched.append(node)
         return True
 
     def _replace(self, old: Inode, e: pb.Entry) -> Inode:

@@ -8,11 +8,14 @@ on a trusted network (the job's VPC).
 from __future__ import annotations
 
 import hmac
+import re
+import stat
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from mtcfs.fs.namespace import ROOT_GUID
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 AUTH_KEY = "authorization"
@@ -23,6 +26,9 @@ MAX_NODE_ID = 63
 MAX_ENTRIES_PER_BATCH = 10_000
 MAX_BLOCK_CRCS = 4 * (1 << 20)  # 4 MiB of crcs: files up to 4 PiB in 4 MiB blocks
 MAX_MESSAGE = 16 << 20
+MAX_COUNTER = 1 << 62
+# What the filesystem makes (mknod refuses device nodes).
+ENTRY_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK)
 
 
 class BadRequest(ValueError):
@@ -66,14 +72,17 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return self._deny[(handler.request_streaming, handler.response_streaming)]
 
 
+# What --node-id accepts (mtcfs.config); ASCII only: str.isalnum() takes any script's letters.
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # MAX_NODE_ID in all
+
+
 def check_node_id(node_id: str, what: str = "node id") -> None:
-    if not node_id or len(node_id) > MAX_NODE_ID or not node_id.replace(".", "").replace(
-            "-", "").replace("_", "").isalnum():
+    if not NODE_ID_RE.fullmatch(node_id):
         raise BadRequest(f"bad {what} {node_id[:80]!r}")
 
 
 def check_id(guid: str, what: str = "id") -> None:
-    if not guid or len(guid) > MAX_ID or not guid.isalnum():
+    if not guid or len(guid) > MAX_ID or not (guid.isascii() and guid.isalnum()):
         raise BadRequest(f"bad {what} {guid[:80]!r}")
 
 
@@ -97,10 +106,17 @@ def check_path(path: str) -> None:
 
 def check_entry(e: pb.Entry) -> None:
     check_id(e.id)
+    if e.id == ROOT_GUID:  # never sent (not visible); a change or tombstone of it is an attack
+        raise BadRequest("the root is not a peer entry")
     if e.writer:
         check_node_id(e.writer, "writer")
+    # uint64 on the wire; SQLite and stat() take int64 (the lamport clock must still tick).
+    if max(e.lamport, e.size, e.version, e.persisted_version) >= MAX_COUNTER:
+        raise BadRequest("lamport, size or version out of range")
     if e.removed:
         return
+    if e.mode > 0o177777 or stat.S_IFMT(e.mode) not in ENTRY_TYPES:
+        raise BadRequest(f"bad mode {e.mode:o}")
     check_id(e.parent, "parent id")
     check_name(e.name)
     if len(e.target) > 4095:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import trio
 
-from mtcfs.integrity import BlockVerifier
+from mtcfs.integrity import BlockVerifier, IntegrityError
 from mtcfs.peer import security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.v1 import peer_pb2 as pb
@@ -56,6 +56,8 @@ class PeerService(pb_grpc.PeerServicer):
             context.abort(e.code, str(e))
         if isinstance(e, RamTierFull):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        if isinstance(e, IntegrityError):  # a replica that does not match its crc32cs
+            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         raise e
 
     # -- index ---------------------------------------------------------------------

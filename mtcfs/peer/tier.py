@@ -115,6 +115,7 @@ class PeerTier(Hooks):
         self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
         self.removed_hook: Callable[[Inode], None] | None = None
         self.on_replicated: Callable[[Inode], None] = lambda node: None
+        self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
 
     # -- start-up --------------------------------------------------------------------
 
@@ -174,6 +175,7 @@ class PeerTier(Hooks):
             except BadRequest as err:
                 self._error(f"snapshot from {p.addr}: {err}")
         applied = self.index.apply(good)
+        self.on_remote(self.index.touched)
         self.stats.snapshots_pulled += 1
         p.ever_alive = True
         p.caught_up.set()
@@ -264,6 +266,8 @@ class PeerTier(Hooks):
         """A batch from a peer (called in the trio thread by the server)."""
         self.stats.batches_received += 1
         n = self.index.apply(list(batch.entries))
+        if self.index.touched:
+            self.on_remote(self.index.touched)
         return n
 
     def quiet(self) -> bool:

@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -91,6 +92,10 @@ class Uploader:
         self._limiter = trio.CapacityLimiter(concurrency)
         # Transient errors the tier retries by itself (GCS outage) show in status at once.
         tier.on_retry = self._tier_retrying
+        # With peers, each host uploads the files it wrote; the others learn that a
+        # file is persisted from the index (node_id and on_persisted set by the daemon).
+        self.node_id = ""
+        self.on_persisted: Callable[[Inode], None] = lambda node: None
 
     # -- notifications from the filesystem (never block) -------------------------
 
@@ -181,10 +186,32 @@ class Uploader:
         with self.ns.store.transaction():
             self.ns.store.set_meta(REQUESTED_KEY, json.dumps(sorted(self.requested)))
 
+    def owns(self, node: Inode) -> bool:
+        """This host uploads the files it wrote (all of them without peers)."""
+        return not self.node_id or not node.writer or node.writer == self.node_id
+
+    def on_remote(self, nodes: list[Inode]) -> None:
+        """Changes from other hosts: a step they committed (a marker, a directory
+        renamed into place) commits our files in it too; a file they persisted may
+        be the last one a marker here waits for."""
+        if self.policy.mode is Mode.STEP:
+            for n in nodes:
+                if not n.linked:
+                    continue
+                if n.is_file and self.rules.is_marker_name(n.name):
+                    parent = self.ns.inodes[n.parent]
+                    if self.rules.is_committed_step(self.ns, parent):
+                        self.commit_step(parent)
+                elif n.is_dir:
+                    for d in [n, *dirs_under(self.ns, n)]:
+                        if self.rules.is_committed_step(self.ns, d):
+                            self.commit_step(d)
+        self._lot.unpark_all()
+
     def _enqueue(self, node: Inode) -> None:
         # A file already in flight is queued again: it was renamed or rewritten
         # since its upload started, and must be uploaded (again) once that ends.
-        if node.persisted:
+        if node.persisted or not self.owns(node):
             return
         self.queue[node.ino] = node
         self._lot.unpark_all()
@@ -447,6 +474,8 @@ class Uploader:
                 self.ns.persist(node)
         log.info("persisted %s (%d bytes, generation %d) in %.2f s", key, size, info.generation,
                  time.monotonic() - t0)
+        if still_here:
+            self.on_persisted(node)
         if still_here and node.version != version:
             self.on_sealed(node)
 
