@@ -22,7 +22,8 @@ from rich.table import Table
 
 from mtcfs.config import format_size
 
-console = Console()
+# Wide enough for the tables when the output is not a terminal (make demo | tee).
+console = Console(width=max(110, shutil.get_terminal_size((110, 40)).columns))
 
 
 def _mtcfs(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -121,11 +122,49 @@ def _arch() -> str:
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 
 
+HOSTS = 3
+
+
+class Host:
+    """One simulated host: its own daemon, RAM dir, mount and peer port."""
+
+    def __init__(self, work: str, index: int, port: int) -> None:
+        self.index = index
+        self.node_id = f"host-{index}"
+        self.mnt = os.path.join(work, f"host-{index}", "ckpt")
+        self.ram_dir = f"/dev/shm/mtcfs-demo-{os.getpid()}-{index}"
+        self.addr = f"127.0.0.1:{port}"
+        os.makedirs(self.mnt, exist_ok=True)
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.mnt, rel)
+
+    def state(self, rel: str) -> dict[str, Any]:
+        return json.loads(os.getxattr(self.path(rel), "user.mtcfs.state"))
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(_mtcfs("status", self.mnt, "--json").stdout)
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [sk.getsockname()[1] for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()
+
+
 def run_demo(nbytes: int, keep: bool) -> None:
     work = tempfile.mkdtemp(prefix="mtcfs-demo-")
-    mnt = os.path.join(work, "ckpt")
-    ram_dir = f"/dev/shm/mtcfs-demo-{os.getpid()}"
-    os.makedirs(mnt)
+    hosts = [Host(work, i, port) for i, port in enumerate(_free_ports(HOSTS))]
+    token = os.path.join(work, "peer-token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(os.urandom(24).hex())
     gcs: LocalGcs | None = None
     try:
         gcs = LocalGcs()
@@ -137,76 +176,137 @@ def run_demo(nbytes: int, keep: bool) -> None:
         durable = ["--bucket", f"file://{bucket_dir}"]
         where = f"file://{bucket_dir} (no local GCS server: {e})"
     try:
-        _story(nbytes, mnt, ram_dir, durable, where)
+        _story(nbytes, hosts, token, durable, where)
     finally:
         if keep:
-            console.print(f"left mounted: {mnt} (unmount with: mtcfs umount {mnt})")
+            for h in hosts:
+                console.print(f"left mounted: {h.mnt} (unmount with: mtcfs umount {h.mnt})")
         else:
-            _mtcfs("umount", mnt, check=False)
+            for h in hosts:
+                _mtcfs("umount", h.mnt, check=False)
+                subprocess.run(["fusermount3", "-uz", h.mnt], capture_output=True)
+                shutil.rmtree(h.ram_dir, ignore_errors=True)
             if gcs is not None:
                 gcs.stop()
-            shutil.rmtree(ram_dir, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
             console.print("unmounted and cleaned up")
 
 
-def _mount(mnt: str, ram_dir: str, durable: list[str]) -> None:
-    r = _mtcfs("mount", mnt, "--daemon", "--ram-dir", ram_dir, "--ram-size", "4GiB",
-               "--node-id", "demo-node-0", "--persist", "step", *durable, check=False)
+def _mount(h: Host, hosts: list[Host], token: str, durable: list[str]) -> None:
+    peers = ",".join(o.addr for o in hosts if o is not h)
+    r = _mtcfs("mount", h.mnt, "--daemon", "--ram-dir", h.ram_dir, "--ram-size", "4GiB",
+               "--node-id", h.node_id, "--listen", h.addr, "--peers", peers,
+               "--token-file", token, "--replicas", "1", "--persist", "step", *durable,
+               check=False)
     if r.returncode != 0:
-        console.print(f"[red]mount failed:[/red] {r.stderr.strip()}")
+        console.print(f"[red]mount of {h.node_id} failed:[/red] {r.stderr.strip()}")
         sys.exit(1)
 
 
-def _story(nbytes: int, mnt: str, ram_dir: str, durable: list[str], where: str) -> None:
-    console.rule("[bold]1. save a checkpoint at RAM speed")
-    _mount(mnt, ram_dir, durable)
-    console.print(f"mounted mtcfs at [bold]{mnt}[/bold]: RAM dir {ram_dir} (4 GiB budget), "
-                  f"durable tier {where}, persist policy 'step'")
-    kind, ckpt = _make_checkpoint(nbytes)
-    step_dir = os.path.join(mnt, "step_100")
-    os.makedirs(step_dir)
-    path = os.path.join(step_dir, "model.pt" if kind == "torch" else "model.npz")
-    t0 = time.perf_counter()
-    _save(kind, ckpt, path)
-    save_s = time.perf_counter() - t0
-    size = os.path.getsize(path)
-    ref = os.path.join("/dev/shm", f"mtcfs-demo-ref-{os.getpid()}")
-    t0 = time.perf_counter()
-    _save(kind, ckpt, ref)
-    ref_s = time.perf_counter() - t0
-    os.unlink(ref)
+def _wait(cond: Any, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _story(nbytes: int, hosts: list[Host], token: str, durable: list[str], where: str) -> None:
+    console.rule(f"[bold]1. {len(hosts)} hosts mount one filesystem")
+    for h in hosts:
+        _mount(h, hosts, token, durable)
+    console.print(f"{len(hosts)} daemons on this machine, each with its own RAM dir and FUSE "
+                  f"mount, peers over gRPC on loopback ({', '.join(h.addr for h in hosts)}), "
+                  f"K=1 replica per file, durable tier {where}")
+
+    console.rule("[bold]2. every host saves its shard at RAM speed")
+    kind, ckpt = _make_checkpoint(max(1, nbytes // len(hosts)))
+    name = "shard_{}.pt" if kind == "torch" else "shard_{}.npz"
+    os.makedirs(hosts[0].path("step_100"))
+    t = Table(title="save (torch.save into /ckpt/step_100 on each host)")
+    for col in ("host", "file", "size", "close() returned after", "raw tmpfs", "replicated"):
+        t.add_column(col, justify="right" if col != "file" else "left")
+    rows = []
+    for h in hosts:
+        # The directory made on host-0 is visible here once its broadcast arrived.
+        _wait(lambda h=h: os.path.isdir(h.path("step_100")), 10)
+        rel = f"step_100/{name.format(h.index)}"
+        t0 = time.perf_counter()
+        _save(kind, ckpt, h.path(rel))
+        save_s = time.perf_counter() - t0
+        ref = f"/dev/shm/mtcfs-demo-ref-{os.getpid()}"
+        t0 = time.perf_counter()
+        _save(kind, ckpt, ref)
+        ref_s = time.perf_counter() - t0
+        os.unlink(ref)
+        rows.append((h, rel, save_s, ref_s))
     # The commit marker, written last and renamed into place as torch DCP does.
-    with open(os.path.join(step_dir, ".metadata.tmp"), "w") as f:
+    meta = hosts[0].path("step_100/.metadata.tmp")
+    with open(meta, "w") as f:
         f.write('{"step": 100}')
-    os.rename(os.path.join(step_dir, ".metadata.tmp"), os.path.join(step_dir, ".metadata"))
-    t = Table(title=f"{kind} checkpoint {os.path.relpath(path, mnt)} ({format_size(size)})")
-    t.add_column("save to")
-    t.add_column("time", justify="right")
-    t.add_row("mtcfs", f"{save_s:.2f} s  ({size / save_s / 2**20:.0f} MiB/s)")
-    t.add_row("raw tmpfs (reference)", f"{ref_s:.2f} s  ({size / ref_s / 2**20:.0f} MiB/s)")
+    os.rename(meta, hosts[0].path("step_100/.metadata"))
+    for h, rel, save_s, ref_s in rows:
+        _wait(lambda h=h, rel=rel: h.state(rel)["replicas"] >= 1, 60)
+        st = h.state(rel)
+        size = st["size"]
+        t.add_row(h.node_id, rel, format_size(size),
+                  f"{save_s:.2f} s ({size / save_s / 2**20:.0f} MiB/s)",
+                  f"{ref_s:.2f} s ({size / ref_s / 2**20:.0f} MiB/s)",
+                  f"on {', '.join(st['holders'])}")
     console.print(t)
-    console.print("user.mtcfs.state right after close():",
-                  json.loads(os.getxattr(path, "user.mtcfs.state")))
+    console.print("one namespace: host-2 lists", sorted(os.listdir(hosts[2].path("step_100"))))
+    console.print("user.mtcfs.state of host-0's shard, read on host-2:",
+                  hosts[2].state(f"step_100/{name.format(0)}"))
 
-    console.rule("[bold]2. the committed step is persisted in the background")
-    r = _mtcfs("persist", mnt, "--wait", check=False)
-    console.print(r.stderr.strip())
-    console.print(_mtcfs("steps", mnt).stdout)
+    console.rule("[bold]3. the committed step is persisted in the background")
+    for h in hosts:
+        _mtcfs("persist", h.mnt, "step_100", "--wait", check=False)
+    console.print(_mtcfs("steps", hosts[0].mnt).stdout)
 
-    console.rule("[bold]3. whole-job loss: RAM wiped, a fresh mount restores from the bucket")
-    _mtcfs("umount", mnt)
-    shutil.rmtree(ram_dir)
-    _mount(mnt, ram_dir, durable)
-    console.print(_mtcfs("steps", mnt).stdout)
+    lost = hosts[1]
+    console.rule(f"[bold]4. {lost.node_id} dies (kill -9); a replacement host takes its place")
+    pid = lost.status()["pid"]
+    os.kill(pid, 9)
+    _wait(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+    subprocess.run(["fusermount3", "-uz", lost.mnt], capture_output=True)
+    shutil.rmtree(lost.ram_dir, ignore_errors=True)  # the machine is gone, and its RAM
+    console.print(f"{lost.node_id}'s daemon killed and its RAM dir deleted; the others notice:")
+    _wait(lambda: not any(p["alive"] for p in hosts[0].status()["peers"]["peers"]
+                          if p["node_id"] == lost.node_id), 15)
+    for p in hosts[0].status()["peers"]["peers"]:
+        console.print(f"  host-0 sees {p['node_id']} at {p['address']}: "
+                      + ("alive" if p["alive"] else "[red]dead[/red]"))
     t0 = time.perf_counter()
-    ok = _equal(kind, ckpt, path)
-    load_s = time.perf_counter() - t0
-    state = json.loads(os.getxattr(path, "user.mtcfs.state"))
-    console.print(f"{kind}.load from the fresh mount: {load_s:.2f} s "
-                  f"({size / load_s / 2**20:.0f} MiB/s, read through from the bucket), "
-                  f"{'identical to what was saved' if ok else '[red]DIFFERENT[/red]'}")
-    console.print("user.mtcfs.state after the read:", state)
-    console.print(_mtcfs("status", mnt).stdout)
+    _mount(lost, hosts, token, durable)
+    console.print(f"replacement {lost.node_id} mounted with an empty RAM dir in "
+                  f"{time.perf_counter() - t0:.2f} s; it sees the whole tree at once:",
+                  sorted(os.listdir(lost.path("step_100"))))
+    r = subprocess.run([sys.executable, "-m", "mtcfs", "prefetch", lost.mnt, "step_100"],
+                       text=True, stderr=subprocess.PIPE)
+    console.print(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "")
+
+    console.rule("[bold]5. the replacement restores every shard")
+    t = Table(title=f"{kind}.load on the replacement {lost.node_id}")
+    for col in ("file", "load", "identical"):
+        t.add_column(col)
+    ok = True
+    for h in hosts:
+        rel = f"step_100/{name.format(h.index)}"
+        t0 = time.perf_counter()
+        same = _equal(kind, ckpt, lost.path(rel))
+        ok &= same
+        t.add_row(rel, f"{time.perf_counter() - t0:.2f} s",
+                  "yes" if same else "[red]NO[/red]")
+    console.print(t)
+    sources = lost.status()["peers"]["bytes_fetched_by_source"]
+    t = Table(title="where the replacement's bytes came from")
+    t.add_column("source")
+    t.add_column("bytes", justify="right")
+    for src, n in sorted(sources.items()):
+        t.add_row(src + (" (peer)" if not src.startswith(("gs:", "file:")) else " (durable)"),
+                  format_size(n))
+    console.print(t)
+    console.print(_mtcfs("status", lost.mnt).stdout)
     if not ok:
         sys.exit(1)

@@ -10,8 +10,9 @@ import click
               help="approximate checkpoint size to save")
 @click.option("--keep", is_flag=True, help="leave the mount up at the end")
 def demo(size: str, keep: bool) -> None:
-    """Save a checkpoint at RAM speed, persist it to a local GCS server, wipe the RAM
-    tier and restore it from the bucket (all real parts, on this machine)."""
+    """Three hosts on this machine (three mounts, three peer ports): each saves a shard
+    at RAM speed, shards replicate to peers and persist to a local GCS server, one
+    host is killed and a replacement restores its shards from the peers."""
     from mtcfs.config import ConfigError, parse_size
     from mtcfs.demo import run_demo
 

@@ -236,7 +236,8 @@ class ReplicatedIndex:
                 log.info("name conflict at %s: keeping ours over %s's",
                          self.ns.path_of(existing), e.writer)
                 return False
-            self.stats.conflicts += 1
+            if existing.lamport:  # not merely known from the bucket listing
+                self.stats.conflicts += 1
             self._unlink(existing)
         node = self.ns.new_inode(parent, e.name, e.mode, e.uid, e.gid,
                                  target=e.target if stat.S_ISLNK(e.mode) else None,
