@@ -148,6 +148,8 @@ class PeerTier(Hooks):
         if self._started and self._nursery is not None:
             # Back after a restart or a partition: merge what it has that we missed.
             self._nursery.start_soon(self.catch_up, p)
+        if self._queues.get(p.addr):
+            self._wake_broadcast.set()  # changes queued while it was down: send them now
         if self.repl_queue or self._short_of_replicas():
             self._requeue_unreplicated()
 
@@ -320,12 +322,22 @@ class PeerTier(Hooks):
                 log.debug("%s: no peer available for another replica", self.ns.path_of(node))
                 return  # requeued when a peer comes alive
             tried.add(target.node_id)
+            await self._drained(target)
             if await self._push(node, target) and node.version == version and node.linked:
                 if target.node_id not in node.holders:
                     node.holders.append(target.node_id)
                 self.ns.persist(node)
                 self.index.holders_changed(node)
                 self.on_replicated(node)
+
+    async def _drained(self, p: Peer) -> None:
+        """Wait (bounded) until the changes queued for p have reached it: a replica
+        is refused by a receiver that does not know the file's directory yet."""
+        deadline = time.monotonic() + BROADCAST_TIMEOUT
+        while ((self._queues.get(p.addr) or p.addr in self._sending) and p.alive
+               and time.monotonic() < deadline):
+            self._wake_broadcast.set()
+            await trio.sleep(0.005)
 
     async def _push(self, node: Inode, p: Peer) -> bool:
         entry = self.index.entry_of(node)
