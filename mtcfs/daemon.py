@@ -3,6 +3,7 @@ the control socket, and unmounts cleanly on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -227,8 +228,13 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
     def invalidate(parent: Inode, name: bytes, node: Inode | None) -> None:
         pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
 
+    def invalidate_attrs(ino: int) -> None:
+        with contextlib.suppress(OSError):  # ENOENT: the kernel has no copy
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+
     peers.invalidate_hook = invalidate
     peers.removed_hook = fs.drop_if_unused
+    peers.attrs_hook = invalidate_attrs
     fs.peers = peers
     if fs.uploader is not None:
         fs.uploader.node_id = opts.node_id

@@ -54,6 +54,9 @@ class Hooks:
     def removed(self, node: Inode) -> None:
         """A remote change removed this node locally (unlinked; drop when unused)."""
 
+    def attrs_changed(self, node: Inode) -> None:
+        """A remote change updated this node's attributes: drop the kernel's copy."""
+
 
 def stamp_of(node: Inode) -> tuple[int, str]:
     return (node.lamport, node.writer)
@@ -278,6 +281,8 @@ class ReplicatedIndex:
             self.hooks.invalidate(parent, e.name, None)
         if node.is_file and not self._same_content(node, e):
             node = self._replace(node, e)
+        else:
+            self.hooks.attrs_changed(node)
         self._set_attrs(node, e)
         if node.is_file:
             self._set_content(node, e)

@@ -25,6 +25,7 @@ from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL = 1.0
+RETRY_INTERVAL = 0.25  # peers not (yet) alive are checked this often: joins are seen fast
 HEALTH_TIMEOUT = 1.0
 DEAD_AFTER = 3  # failed checks in a row
 
@@ -43,6 +44,8 @@ class Peer:
     ram_free: int = 0
     busy: int = 0  # transfers in flight to or from it
     removed: bool = False
+    checking: bool = False
+    next_check: float = 0.0
     caught_up: trio.Event = field(default_factory=trio.Event)
 
     def describe(self) -> dict[str, object]:
@@ -72,6 +75,7 @@ class Membership:
         self.on_dead: Callable[[Peer], None] = lambda p: None
         self.health_request: Callable[[], pb.HealthRequest] = pb.HealthRequest
         self._limiter = trio.CapacityLimiter(64)
+        self._nursery: trio.Nursery | None = None
         self.sync_addresses()
 
     # -- addresses -------------------------------------------------------------------
@@ -128,11 +132,12 @@ class Membership:
 
     # -- health ----------------------------------------------------------------------
 
-    async def check(self, p: Peer) -> bool:
+    async def check(self, p: Peer, wait: bool = False) -> bool:
+        """wait: also while the channel is in reconnect backoff (up to the timeout)."""
         try:
             reply = await trio.to_thread.run_sync(
                 lambda: p.stub.Health(self.health_request(), timeout=HEALTH_TIMEOUT,
-                                      metadata=self.metadata),
+                                      metadata=self.metadata, wait_for_ready=wait),
                 limiter=self._limiter)
         except grpc.RpcError as e:
             self.failed(p, f"health check: {e.code().name}: {e.details()}")
@@ -160,18 +165,33 @@ class Membership:
             log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
             self.on_dead(p)
 
+    def poke(self, addr: str) -> None:
+        """A peer at `addr` just called us: check it now if we think it is down."""
+        p = self.peers.get(addr)
+        if p is not None and not p.alive:
+            p.next_check = 0.0
+            if self._nursery is not None:
+                self._nursery.start_soon(self.check, p)
+
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._loop()
+
+    async def _loop(self) -> None:
+        assert self._nursery is not None
         while True:
             self._watch_file()
-            async with trio.open_nursery() as nursery:
-                for p in list(self.peers.values()):
-                    nursery.start_soon(self.check, p)
-            await trio.sleep(HEALTH_INTERVAL)
+            now = time.monotonic()
+            for p in list(self.peers.values()):
+                if now >= p.next_check and not p.checking:
+                    self._nursery.start_soon(self.check, p)
+            await trio.sleep(RETRY_INTERVAL)
 
-    async def check_all(self) -> None:
+    async def check_all(self, wait: bool = False) -> None:
         async with trio.open_nursery() as nursery:
             for p in list(self.peers.values()):
-                nursery.start_soon(self.check, p)
+                nursery.start_soon(self.check, p, wait)
 
     def _watch_file(self) -> None:
         if not self.peers_file:

@@ -63,6 +63,9 @@ class PeerService(pb_grpc.PeerServicer):
     # -- index ---------------------------------------------------------------------
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        if request.listen and len(request.listen) < 300:
+            # A peer that calls us is up: do not wait for our next round to find out.
+            self._in_trio(self.tier.members.poke, request.listen)
         return self.tier.health_reply()
 
     def Broadcast(self, request: pb.ChangeBatch, context: grpc.ServicerContext) -> pb.BatchReply:

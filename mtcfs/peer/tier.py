@@ -96,8 +96,8 @@ class PeerTier(Hooks):
         self.members = Membership(listen, node_id, peers, peers_file, secret, tls)
         self.members.on_alive = self._on_alive
         self.members.on_dead = self._on_dead
-        self.members.health_request = lambda: pb.HealthRequest(from_node=node_id,
-                                                               lamport=self.index.clock)
+        self.members.health_request = lambda: pb.HealthRequest(
+            from_node=node_id, lamport=self.index.clock, listen=listen)
         self.stats = Stats()
         self.server: grpc.Server | None = None
         self.port = 0
@@ -114,6 +114,7 @@ class PeerTier(Hooks):
         # change touched; unlinked nodes are dropped once nothing uses them.
         self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
         self.removed_hook: Callable[[Inode], None] | None = None
+        self.attrs_hook: Callable[[int], None] | None = None  # blocking: run in a thread
         self.on_replicated: Callable[[Inode], None] = lambda node: None
         self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
 
@@ -198,6 +199,11 @@ class PeerTier(Hooks):
         self.repl_queue.pop(node.ino, None)
         if self.removed_hook is not None:
             self.removed_hook(node)
+
+    def attrs_changed(self, node: Inode) -> None:
+        if self.attrs_hook is not None and self._nursery is not None:
+            self._nursery.start_soon(partial(trio.to_thread.run_sync, self.attrs_hook,
+                                             node.ino, abandon_on_cancel=True))
 
     # -- notifications from the filesystem ------------------------------------------
 
@@ -486,7 +492,13 @@ class PeerTier(Hooks):
         version, size = node.version, node.size
         good = [0]  # bytes from offset 0 verified so far: the next holder resumes there
         errors = []
-        for p in self.holders_of(node):
+        peers = self.holders_of(node)
+        if not peers:
+            # A holder not heard from yet (it started a moment ago, or is back): its
+            # broadcast reached us before our next health round; ask now.
+            await self.members.check_all(wait=True)
+            peers = self.holders_of(node)
+        for p in peers:
             try:
                 await self._fetch_from(p, node, fd, version, size, good, on_verified)
             except (grpc.RpcError, IntegrityError, OSError) as e:

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HealthRequest(_message.Message):
-    __slots__ = ("from_node", "lamport")
+    __slots__ = ("from_node", "lamport", "listen")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     lamport: int
-    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ...) -> None: ...
+    listen: str
+    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., listen: _Optional[str] = ...) -> None: ...
 
 class HealthReply(_message.Message):
     __slots__ = ("node_id", "lamport", "failure_domain", "ram_capacity", "ram_free", "entries")
