@@ -172,6 +172,9 @@ class ReplicatedIndex:
         self.stats.pending = sum(len(v) for v in self.pending.values())
         return applied
 
+    def is_pending(self, guid: str) -> bool:
+        return any(e.id == guid for waiting in self.pending.values() for e in waiting)
+
     def resolve(self, gid: str) -> str:
         return self.aliases.get(gid, gid)
 

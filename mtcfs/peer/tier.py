@@ -43,6 +43,7 @@ STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
 MAX_BATCH = 2000
 MAX_QUEUE = 200_000
 REPLICATION_WORKERS = 2
+RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
 
 class PeerFetchError(OSError):
@@ -303,8 +304,12 @@ class PeerTier(Hooks):
     async def _replication_worker(self) -> None:
         while True:
             while not self.repl_queue:
-                await self._wake_repl.wait()
+                with trio.move_on_after(RETRY_SHORT):
+                    await self._wake_repl.wait()
                 self._wake_repl = trio.Event()
+                if not self.repl_queue:
+                    # Files a peer refused for now (full, busy, not caught up yet).
+                    self._requeue_unreplicated()
             ino, node = next(iter(self.repl_queue.items()))
             del self.repl_queue[ino]
             if not self._needs_copies(node) or ino in self.replicating:
@@ -433,6 +438,9 @@ class PeerTier(Hooks):
     def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
         self.index.apply([e])
         node = self.ns.by_global_id(self.index.resolve(e.id))
+        if node is None and self.index.is_pending(e.id):
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          "its directory has not reached this node yet; try again later")
         if (node is None or not node.linked or node.version != e.version
                 or node.crc32c != e.crc32c or node.dirty):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
