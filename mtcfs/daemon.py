@@ -226,9 +226,13 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
     )
 
     def invalidate(parent: Inode, name: bytes, node: Inode | None) -> None:
-        pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
+        # Before the mount is live the kernel has nothing cached (and refuses).
+        if fs.live:
+            pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
 
     def invalidate_attrs(ino: int) -> None:
+        if not fs.live:
+            return
         with contextlib.suppress(OSError):  # ENOENT: the kernel has no copy
             pyfuse3.invalidate_inode(ino, attr_only=True)
 
@@ -291,6 +295,7 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> int
             nursery.start_soon(fs.readthrough.refresh_loop, fs.uploader.deletes)
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
+        fs.live = True
         log.info(
             "mounted %s: node %s, RAM dir %s, RAM size %s, %d files re-adopted",
             opts.mountpoint, opts.node_id, opts.ram_dir, format_size(opts.ram_size),

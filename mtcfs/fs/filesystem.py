@@ -88,6 +88,7 @@ class Filesystem:
         # The peer tier, when configured: told about every change other hosts
         # must see (broadcast) and every seal (replication).
         self.peers: PeerTier | None = None
+        self.live = False  # the kernel has completed INIT (set by the daemon)
         self._recover()
 
     # -- startup ---------------------------------------------------------------

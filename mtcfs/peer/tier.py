@@ -290,9 +290,11 @@ class PeerTier(Hooks):
         return any(self._needs_copies(n) for n in self.ns.files())
 
     def _needs_copies(self, node: Inode) -> bool:
+        # Only copies on live peers count: a dead holder's copy is made again elsewhere.
         return (self.replicas > 0 and node.linked and node.state == CLOSED and node.has_data
                 and not node.dirty and node.writer == self.node_id
-                and len([h for h in node.holders if h != self.node_id]) < self.replicas)
+                and len([h for h in node.holders if h != self.node_id
+                         and self.members.by_node(h) is not None]) < self.replicas)
 
     def _requeue_unreplicated(self) -> None:
         for node in self.ns.files():
@@ -317,6 +319,9 @@ class PeerTier(Hooks):
             self.replicating[ino] = node
             try:
                 await self._replicate(node)
+            except Exception:  # a bug here must not take the mount down: log, go on
+                log.exception("replicating %s failed", self.ns.path_of(node)
+                              if node.linked else node.guid)
             finally:
                 self.replicating.pop(ino, None)
 
@@ -334,6 +339,8 @@ class PeerTier(Hooks):
                 return  # requeued when a peer comes alive
             tried.add(target.node_id)
             await self._drained(target)
+            if not self._needs_copies(node) or node.version != version:
+                continue  # removed (its directory may be gone too) or rewritten meanwhile
             if await self._push(node, target) and node.version == version and node.linked:
                 if target.node_id not in node.holders:
                     node.holders.append(target.node_id)
@@ -382,8 +389,13 @@ class PeerTier(Hooks):
         try:
             reply = await self._watched(call, prog)
         except grpc.RpcError as e:
-            self.stats.replica_failures += 1
             code = e.code()
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                # It holds a verified copy of this version already (e.g. it read it
+                # through): that copy counts.
+                log.info("%s already holds %s", p.node_id, path)
+                return True
+            self.stats.replica_failures += 1
             self._error(f"replica of {path} to {p.addr} ({p.node_id}): {code.name}: "
                         f"{e.details()}")
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -1,0 +1,657 @@
+"""The peer tier across real network faults: every host is a network namespace
+(tests/netns.py) running one foreground `mtcfs mount` that listens on its own
+address, port 7000. Links are cut (link_down), packets dropped one way
+(nftables), daemons killed with -9 in the middle of a restore, a fake GCS
+server runs in a namespace of its own.
+
+What is checked: a reader never hangs and never gets wrong bytes — it gets the
+file from a reachable holder (or the durable tier) within a bound, or EIO
+within a bound when no copy is reachable, and the file once the network is
+back; lost replicas are made again; a host that was cut off catches up.
+
+Reads run in a subprocess (a hung FUSE read must not hang the test) that
+reports size, crc32c, errno and its own duration; the durations are printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import pytest
+
+from mtcfs import control
+from mtcfs.config import mount_entry
+
+from conftest import force_unmount
+from gcs_server import fake_gcs_binary
+from netns import (  # noqa: F401 - cluster_factory is a fixture
+    Cluster,
+    Host,
+    cluster_factory,
+    netns_unavailable,
+)
+
+pytestmark = pytest.mark.skipif(netns_unavailable() is not None,
+                                reason=netns_unavailable() or "")
+
+MiB = 1 << 20
+PORT = 7000
+GCS_PORT = 4443
+# Files offered to failover_read: the reader picks a live holder at random, so each read
+# has a 1/2 chance to try the unreachable one first; 10 files miss it with p = 1/1024.
+CANDIDATES = 10
+
+# Reads a file in a subprocess; prints {"ok", "size", "crc", "errno", "elapsed"} as JSON.
+READER = r"""
+import json, sys, time
+import google_crc32c
+t0 = time.monotonic()
+crc = n = 0
+try:
+    with open(sys.argv[1], "rb", buffering=0) as f:
+        while b := f.read(8 << 20):
+            crc = google_crc32c.extend(crc, b)
+            n += len(b)
+    out = {"ok": True, "size": n, "crc": crc}
+except OSError as e:
+    out = {"ok": False, "errno": e.errno, "error": str(e), "size": n}
+out["elapsed"] = round(time.monotonic() - t0, 3)
+print(json.dumps(out), flush=True)
+"""
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def wait_until(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
+               what: str = "") -> Any:
+    """Poll cond() until it returns something truthy (returned); fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{what or getattr(cond, '__name__', 'a condition')}")
+        time.sleep(interval)
+
+
+def blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def crc_of(data: bytes) -> int:
+    return google_crc32c.value(data)
+
+
+class Node:
+    """One mtcfs daemon in a host of the cluster (foreground, started with host.popen)."""
+
+    def __init__(self, host: Host, node_id: str, mp: Path, ram_dir: Path, log_path: Path,
+                 args: list[str]) -> None:
+        self.host = host
+        self.node_id = node_id
+        self.mp = mp
+        self.ram_dir = ram_dir
+        self.log_path = log_path
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    def __repr__(self) -> str:
+        return f"Node({self.node_id}@{self.host.addr})"
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host.addr}:{PORT}"
+
+    def spawn(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = self.host.popen(
+                [sys.executable, "-m", "mtcfs", "mount", str(self.mp), "--ram-dir",
+                 str(self.ram_dir), "--ram-size", "3GiB", "--node-id", self.node_id,
+                 "--log-level", "info", *self.args],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+
+    def wait_live(self, timeout: float = 60.0) -> Node:
+        """Like MtcfsMount.start: the mount entry, then the control xattr answers."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self} exited with {self.proc.returncode}:\n{self.log()}")
+            if mount_entry(str(self.mp)) is not None:
+                try:
+                    os.getxattr(self.mp, "user.mtcfs.control")
+                    return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{self}: mount did not come up:\n{self.log()}")
+
+    def log(self, tail: int = 12000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except FileNotFoundError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        """Crash the daemon (nsenter exec'd it: the Popen is the daemon) and detach
+        its dead mount."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        force_unmount(str(self.mp))
+
+    def stop(self) -> None:
+        """Unmount (lazily: works whatever the network does) and let the daemon exit."""
+        if mount_entry(str(self.mp)) is not None:
+            subprocess.run(["fusermount3", "-uz", str(self.mp)], capture_output=True)
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        force_unmount(str(self.mp))
+
+    # -- views ---------------------------------------------------------------------------
+
+    def path(self, rel: str) -> Path:
+        return self.mp / rel
+
+    def state(self, rel: str) -> dict | None:
+        try:
+            return json.loads(os.getxattr(self.mp / rel, "user.mtcfs.state"))
+        except OSError:
+            return None
+
+    def status(self) -> dict:
+        return control.request(str(self.mp), "status", timeout=10)["status"]
+
+    def pstatus(self) -> dict:
+        return self.status()["peers"]
+
+    def live_peers(self) -> set[str]:
+        return {p["node_id"] for p in self.pstatus()["peers"] if p["alive"]}
+
+    def write(self, rel: str, data: bytes) -> bytes:
+        p = self.mp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "wb") as f:
+            for off in range(0, len(data), 8 * MiB):
+                f.write(data[off:off + 8 * MiB])
+        return data
+
+    def start_read(self, rel: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", READER, str(self.mp / rel)],
+                                stdout=subprocess.PIPE, text=True)
+
+    def read(self, rel: str, hang_after: float = 60.0) -> dict:
+        """Read the whole file in a subprocess; a read still running after `hang_after`
+        seconds is a hang (the subprocess is killed and the test fails)."""
+        proc = self.start_read(rel)
+        return finish_read(proc, hang_after, f"read of {rel} on {self.node_id}")
+
+
+def finish_read(proc: subprocess.Popen, hang_after: float, what: str) -> dict:
+    try:
+        out, _ = proc.communicate(timeout=hang_after)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{what} hung (still blocked after {hang_after:g} s)") from None
+    return json.loads(out)
+
+
+def assert_good(res: dict, data: bytes, what: str) -> None:
+    assert res["ok"], f"{what}: {res}"
+    assert res["size"] == len(data) and res["crc"] == crc_of(data), \
+        f"{what}: WRONG BYTES ({res['size']} bytes, crc {res['crc']:08x}; expected " \
+        f"{len(data)}, {crc_of(data):08x})"
+
+
+class Net:
+    """A cluster of namespace hosts; the first `len(nodes)` run mtcfs."""
+
+    def __init__(self, cluster: Cluster, root: Path, ram_root: Path) -> None:
+        self.cluster = cluster
+        self.root = root
+        self.ram_root = ram_root
+        self.nodes: list[Node] = []
+        self.token = root / "peer-token"
+        self.token.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
+        self.token.chmod(0o600)
+
+    def add_nodes(self, n: int, replicas: int = 1, extra: tuple[str, ...] = ()) -> list[Node]:
+        hosts = self.cluster.hosts[:n]
+        for i, host in enumerate(hosts):
+            others = ",".join(f"{h.addr}:{PORT}" for h in hosts if h is not host)
+            mp = self.root / f"mnt-h{i}"
+            mp.mkdir()
+            args = ["--listen", f"{host.addr}:{PORT}", "--peers", others, "--token-file",
+                    str(self.token), "--replicas", str(replicas), *extra]
+            self.nodes.append(Node(host, f"h{i}", mp, self.ram_root / f"ram-h{i}",
+                                   self.root / f"h{i}.log", args))
+        for node in self.nodes:
+            node.spawn()
+        for node in self.nodes:
+            node.wait_live()
+        # Everyone sees everyone (the mounts start concurrently).
+        for node in self.nodes:
+            want = {m.node_id for m in self.nodes if m is not node}
+            wait_until(lambda node=node, want=want: node.live_peers() >= want, 20,
+                       what=f"{node.node_id} to see {sorted(want)} alive")
+        return self.nodes
+
+    def by_id(self, node_id: str) -> Node:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def roles(self, writer: Node, rel: str) -> tuple[Node, Node]:
+        """After `writer` wrote `rel` (K=1): (the peer holding the replica, a reader that
+        holds nothing), from the writer's user.mtcfs.state."""
+        st = wait_until(lambda: (s := writer.state(rel)) and s["replicas"] >= 1 and s, 60,
+                        what=f"a replica of {rel}")
+        holders = st["holders"]
+        assert writer.node_id in holders and len(holders) == 2, st
+        holder = self.by_id(next(h for h in holders if h != writer.node_id))
+        reader = next(n for n in self.nodes if n.node_id not in holders)
+        return holder, reader
+
+    def wait_known(self, node: Node, rel: str, holders: set[str], persisted: bool = False,
+                   timeout: float = 30) -> dict:
+        """`node`'s index knows these holders of `rel` (and that it is persisted)."""
+        return wait_until(
+            lambda: (s := node.state(rel)) and holders <= set(s["holders"])
+            and (s["persisted"] or not persisted) and s,
+            timeout, what=f"{node.node_id} to know {rel} on {sorted(holders)}")
+
+    def wait_mesh(self, nodes: list[Node], timeout: float = 30) -> float:
+        """Every live node sees every other one of `nodes` alive; returns the wait."""
+        t0 = time.monotonic()
+        for node in nodes:
+            want = {m.node_id for m in nodes if m is not node}
+            wait_until(lambda node=node, want=want: node.live_peers() >= want, timeout,
+                       what=f"{node.node_id} to see {sorted(want)} alive again")
+        return time.monotonic() - t0
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {n.node_id} ({n.host.addr}) =====\n{n.log()}"
+                         for n in self.nodes)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if mount_entry(str(node.mp)) is not None:
+                subprocess.run(["fusermount3", "-uz", str(node.mp)], capture_output=True)
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop()
+            force_unmount(str(node.mp))
+
+
+@pytest.fixture
+def make_net(cluster_factory, tmp_path: Path, ram_root: Path,  # noqa: F811
+             request: pytest.FixtureRequest) -> Iterator[Callable[..., Net]]:
+    """make_net(hosts=3) -> Net over a fresh Cluster. Torn down before the cluster: every
+    mount is unmounted (fusermount3 -uz) while the namespaces still exist; the daemons'
+    logs are printed when the test failed."""
+    nets: list[Net] = []
+
+    def make(hosts: int = 3) -> Net:
+        root = tmp_path / f"net{len(nets)}"
+        root.mkdir()
+        net = Net(cluster_factory(hosts), root, ram_root)
+        nets.append(net)
+        return net
+
+    yield make
+    rep = getattr(request.node, "rep_call", None)
+    for net in nets:
+        if rep is not None and rep.failed:
+            print(net.logs()[-40000:])
+        net.close()
+
+
+def report(what: str, res: dict) -> None:
+    print(f"[netns] {what}: ok={res['ok']} elapsed={res['elapsed']:.2f}s"
+          + ("" if res["ok"] else f" errno={res.get('errno')} ({res.get('error')})"))
+
+
+def read_until_good(node: Node, rel: str, data: bytes, timeout: float) -> float:
+    """Retry whole reads until one returns the right bytes; returns how long it took."""
+    t0 = time.monotonic()
+    while True:
+        res = node.read(rel, hang_after=60)
+        if res["ok"]:
+            assert_good(res, data, f"{rel} on {node.node_id}")
+            return time.monotonic() - t0
+        assert res["errno"] == errno.EIO, res
+        assert time.monotonic() - t0 < timeout, f"{rel} still unreadable on {node.node_id}: {res}"
+        time.sleep(0.3)
+
+
+def wait_sources(node: Node, pred: Callable[[dict[str, int]], bool], what: str) -> None:
+    """The node's bytes_fetched_by_source satisfies `pred` (within a few seconds)."""
+    try:
+        wait_until(lambda: pred(node.pstatus()["bytes_fetched_by_source"]), 5)
+    except AssertionError:
+        raise AssertionError(f"{node.node_id} fetched from {what}? bytes_fetched_by_source: "
+                             f"{node.pstatus()['bytes_fetched_by_source']}") from None
+
+
+def failover_read(net: Net, reader: Node, bad: Node, files: dict[str, bytes],
+                  inject: Callable[[], None], heal: Callable[[], None], bound: float,
+                  what: str) -> dict:
+    """Inject a fault that makes `bad` unreachable for `reader`, then read files the reader
+    has no copy of until one read had to get past `bad` (the reader's fetch failures rose).
+    Every read must return the right bytes within `bound` s. The reader picks among the live
+    holders at random, so a read may go to the good holder first: the next file is tried
+    while the reader still thinks `bad` is alive; if it is declared dead first, the fault is
+    healed and injected again. Returns the result of the read that failed over (consumed
+    files are removed from `files`)."""
+    for _ in range(3):
+        inject()
+        while files and bad.node_id in reader.live_peers():
+            rel = next(iter(files))
+            data = files.pop(rel)
+            before = reader.pstatus()["fetch_failures"]
+            res = reader.read(rel)
+            assert_good(res, data, f"{what}: {rel}")
+            assert res["elapsed"] < bound, (what, res)
+            if reader.pstatus()["fetch_failures"] > before:
+                report(what, res)
+                return res
+            print(f"[netns] {what}: {rel} came from the good holder first "
+                  f"({res['elapsed']:.2f}s), next file")
+        heal()
+        net.wait_mesh(net.nodes)
+    pytest.fail(f"{what}: no read ever tried the unreachable holder first")
+
+
+# -- 1. a partitioned holder does not hang readers ----------------------------------------------
+
+
+def test_partitioned_holder_does_not_hang_readers(make_net) -> None:
+    net = make_net(3)
+    h0, _, _ = net.add_nodes(3, replicas=1)
+    files = {f"step1/shard-{i}.bin": h0.write(f"step1/shard-{i}.bin", blob(i, 64 * MiB))
+             for i in range(CANDIDATES)}
+    last = h0.write("step1/last.bin", blob(99, 16 * MiB))
+    holder, reader = net.roles(h0, "step1/shard-0.bin")
+    for rel in [*files, "step1/last.bin"]:
+        assert net.roles(h0, rel) == (holder, reader)
+        net.wait_known(reader, rel, {h0.node_id, holder.node_id})
+    print(f"[netns] writer h0, holder {holder.node_id}, reader {reader.node_id}")
+
+    # The writer's cable is cut: the reader gets the file from the other holder.
+    res = failover_read(net, reader, h0, files, h0.host.link_down, h0.host.link_up, 15,
+                        "writer cut, read fails over to the other holder")
+    # (The status counts a fetch when its bookkeeping is done, just after the last read.)
+    wait_sources(reader, lambda src: set(src) == {holder.node_id}, "only the live holder")
+    assert res["elapsed"] < 15, res
+
+    # Both holders cut (K=1: no copy reachable): EIO within a bound, never a hang.
+    holder.host.link_down()
+    res = reader.read("step1/last.bin", hang_after=60)
+    report("every holder cut", res)
+    assert not res["ok"] and res["errno"] == errno.EIO, res
+    assert res["elapsed"] < 20, res
+
+    # The network is back: the same read succeeds.
+    h0.host.link_up()
+    holder.host.link_up()
+    took = read_until_good(reader, "step1/last.bin", last, timeout=30)
+    print(f"[netns] readable again {took:.2f}s after link_up")
+
+
+# -- 2. one-way packet loss ---------------------------------------------------------------------
+
+
+def test_one_way_drops_never_hang_or_corrupt(make_net) -> None:
+    net = make_net(3)
+    h0, _, _ = net.add_nodes(3, replicas=1)
+    drop_in = {f"in/{i}.bin": h0.write(f"in/{i}.bin", blob(100 + i, 16 * MiB))
+               for i in range(CANDIDATES)}
+    drop_out = {f"out/{i}.bin": h0.write(f"out/{i}.bin", blob(200 + i, 16 * MiB))
+                for i in range(CANDIDATES)}
+    both = h0.write("both.bin", blob(300, 32 * MiB))
+    holder, reader = net.roles(h0, "both.bin")
+    for rel in [*drop_in, *drop_out, "both.bin"]:
+        assert net.roles(h0, rel) == (holder, reader)
+        net.wait_known(reader, rel, {h0.node_id, holder.node_id})
+    print(f"[netns] writer h0, holder {holder.node_id}, reader {reader.node_id}")
+
+    # The writer drops what the reader sends it: the reader gets it from the other holder.
+    failover_read(net, reader, h0, drop_in, lambda: h0.host.drop_incoming_from(reader.host),
+                  h0.host.heal, 15, "writer drops the reader's packets")
+    h0.host.heal()
+    print(f"[netns] mesh whole again {net.wait_mesh(net.nodes):.2f}s after heal")
+
+    # The replica holder drops what it sends to the reader: the writer serves it.
+    failover_read(net, reader, holder, drop_out,
+                  lambda: holder.host.drop_outgoing_to(reader.host), holder.host.heal, 15,
+                  "holder drops its packets to the reader")
+    holder.host.heal()
+    print(f"[netns] mesh whole again {net.wait_mesh(net.nodes):.2f}s after heal")
+
+    # Both holders deaf/mute towards the reader: the right bytes or EIO within a bound.
+    h0.host.drop_incoming_from(reader.host)
+    holder.host.drop_outgoing_to(reader.host)
+    res = reader.read("both.bin")
+    report("both holders drop one way", res)
+    if res["ok"]:
+        assert_good(res, both, "read with both holders dropping")
+    else:
+        assert res["errno"] == errno.EIO, res
+    assert res["elapsed"] < 20, res
+    h0.host.heal()
+    holder.host.heal()
+    took = read_until_good(reader, "both.bin", both, timeout=30)
+    print(f"[netns] readable again {took:.2f}s after heal")
+
+
+# -- 3. the durable tier behind the peers --------------------------------------------------------
+
+
+def start_gcs(host: Host, root: Path, bucket: str) -> str:
+    """fake-gcs-server inside `host`'s namespace, bound to its address; the bucket is made
+    from the seed dir. Returns the endpoint URL."""
+    seed = root / "gcs-seed"
+    (seed / bucket).mkdir(parents=True)
+    url = f"http://{host.addr}:{GCS_PORT}"
+    with open(root / "gcs.log", "ab") as log:
+        host.popen([str(fake_gcs_binary()), "-scheme", "http", "-backend", "memory", "-host",
+                    host.addr, "-port", str(GCS_PORT), "-external-url", url, "-data", str(seed),
+                    "-log-level", "warn"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    probe = ("import sys, urllib.request\n"
+             "urllib.request.urlopen(sys.argv[1], timeout=1).read()\n")
+
+    def ready() -> bool:
+        return host.run([sys.executable, "-I", "-c", probe, f"{url}/storage/v1/b/{bucket}"],
+                        capture_output=True, timeout=10).returncode == 0
+
+    wait_until(ready, 20, interval=0.1, what="fake-gcs-server in its namespace")
+    return url
+
+
+def test_reader_falls_back_to_gcs_when_every_holder_is_cut(make_net) -> None:
+    net = make_net(4)  # hosts 0-2 run mtcfs, host 3 only the GCS server
+    url = start_gcs(net.cluster.hosts[3], net.root, "ckpt")
+    h0, _, _ = net.add_nodes(3, replicas=1, extra=("--bucket", "gs://ckpt/run1",
+                                                  "--gcs-endpoint", url,
+                                                  "--persist", "on-close"))
+    data = h0.write("step7/shard.bin", blob(7, 64 * MiB))
+    holder, reader = net.roles(h0, "step7/shard.bin")
+    wait_until(lambda: (h0.state("step7/shard.bin") or {}).get("persisted"), 60,
+               what="the upload to GCS")
+    net.wait_known(reader, "step7/shard.bin", {h0.node_id, holder.node_id}, persisted=True)
+    print(f"[netns] writer h0, holder {holder.node_id}, reader {reader.node_id}")
+
+    h0.host.link_down()
+    holder.host.link_down()
+    res = reader.read("step7/shard.bin")
+    report("every peer holder cut, GCS reachable", res)
+    assert_good(res, data, "read-through from GCS")
+    assert res["elapsed"] < 20, res
+    wait_sources(reader, lambda src: src == {"gs://ckpt/run1": len(data)}, "only GCS")
+    print(f"[netns] peer fetch attempts that failed first: {reader.pstatus()['fetch_failures']}")
+    h0.host.link_up()
+    holder.host.link_up()
+
+
+# -- 4. a holder killed in the middle of a restore ------------------------------------------------
+
+
+def restore_state(reader: Node, ino: int, holders: set[str]) -> tuple[str | None, int]:
+    """(the holder the reader is fetching from now, verified bytes so far) of a restore."""
+    source = next((p["node_id"] for p in reader.pstatus()["peers"]
+                   if p["node_id"] in holders and p["transfers"] > 0), None)
+    done = control.request(str(reader.mp), "prefetch_progress", timeout=10,
+                           inos=[ino])["bytes_done"]
+    return source, done
+
+
+def test_holder_killed_during_restore(make_net) -> None:
+    net = make_net(3)
+    h0, _, _ = net.add_nodes(3, replicas=1)
+    size = 200 * MiB
+    attempts = 8
+    # Which holder the reader picks is random. The interesting victim is the replica
+    # holder (the writer survives and must make the lost replica again): new files are
+    # tried until the reader restores from it; the last attempt takes either source.
+    for attempt in range(attempts):
+        rel = f"big/shard-{attempt}.bin"
+        data = h0.write(rel, blob(40 + attempt, size))
+        holder, reader = net.roles(h0, rel)
+        net.wait_known(reader, rel, {h0.node_id, holder.node_id})
+        ino = os.stat(reader.path(rel)).st_ino
+        holders = {h0.node_id, holder.node_id}
+        proc = reader.start_read(rel)
+        # Kill the source once 8 MiB arrived: well inside the transfer (~0.5 s).
+        source, done = wait_until(
+            lambda proc=proc, reader=reader, ino=ino, holders=holders:
+            proc.poll() is not None and ("finished", size)
+            or (st := restore_state(reader, ino, holders))[0] and st[1] >= 8 * MiB and st,
+            30, interval=0.002, what="the restore to be under way")
+        print(f"[netns] attempt {attempt}: {reader.node_id} restores {rel} from {source} "
+              f"({done >> 20} MiB of {size >> 20} so far)")
+        if done < size and (source == holder.node_id
+                            or source == h0.node_id and attempt == attempts - 1):
+            break
+        res = finish_read(proc, 60, f"restore of {rel}")
+        assert_good(res, data, f"restore of {rel}")
+        os.unlink(h0.path(rel))  # frees the RAM of three hosts
+    else:
+        pytest.fail("no restore was ever caught in the middle of its transfer")
+    victim = net.by_id(source)
+    survivor = holder if victim is h0 else h0
+    failures_before = reader.pstatus()["fetch_failures"]
+    victim.kill9()
+    t_kill = time.monotonic()
+    res = finish_read(proc, 60, f"restore of {rel} after kill -9 of its source")
+    report(f"restore with {victim.node_id} killed mid-transfer", res)
+    # The reader carries on from the other holder (resuming at the last verified block).
+    assert_good(res, data, "restore after the source was killed")
+    print(f"[netns] restore finished {time.monotonic() - t_kill:.2f}s after the kill")
+    ps = reader.pstatus()
+    assert ps["fetch_failures"] > failures_before, ps  # it was killed mid-transfer
+    wait_sources(reader, lambda src: src.get(survivor.node_id, 0) >= size,
+                 f"the whole file from {survivor.node_id}")
+
+    if victim is holder:
+        # K=1 again among live hosts: the writer counts the reader's copy, or makes one.
+        def live_replica() -> list[str] | None:
+            st = h0.state(rel) or {}
+            live = [h for h in st.get("holders", []) if h not in (h0.node_id, holder.node_id)]
+            return live or None
+
+        t0 = time.monotonic()
+        try:
+            wait_until(live_replica, 20, what="a new live replica")
+        except AssertionError:
+            raise AssertionError(f"{rel}: no live replica {time.monotonic() - t0:.0f} s after "
+                                 f"{holder.node_id} died; h0 has {h0.state(rel)}") from None
+        print(f"[netns] K=1 among live hosts again after {time.monotonic() - t0:.2f}s")
+    else:
+        print("[netns] the writer itself was the source: no re-replication to check")
+    assert_good(reader.read(rel), data, "the reader's copy")
+
+    # The killed host comes back with its RAM dir: its copy is adopted, not corrupt, and
+    # the writer sees K=1 (at least) among live hosts.
+    victim.spawn()
+    victim.wait_live()
+    net.wait_mesh(net.nodes)
+    assert_good(victim.read(rel), data, f"{victim.node_id}'s re-adopted copy")
+    wait_until(lambda: set((h0.state(rel) or {}).get("holders", [])) & h0.live_peers(), 20,
+               what=f"h0 to count a replica of {rel} on a live host")
+
+
+# -- 5. a partition heals ------------------------------------------------------------------------
+
+
+def tree(node: Node, rel: str) -> dict[str, int]:
+    """name -> size of every file under `rel` (directories end with /)."""
+    out: dict[str, int] = {}
+    base = node.path(rel)
+    for dirpath, dirnames, filenames in os.walk(base):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), base) + "/"] = 0
+        for f in filenames:
+            out[os.path.relpath(os.path.join(dirpath, f), base)] = \
+                os.stat(os.path.join(dirpath, f)).st_size
+    return out
+
+
+def test_partition_heals_both_ways(make_net) -> None:
+    net = make_net(3)
+    h0, h1, h2 = net.add_nodes(3, replicas=1)
+    for name in ("keep", "rename-me", "delete-me"):
+        h0.write(f"job/{name}", name.encode() * 1000)
+    wait_until(lambda: tree(h2, "job") == tree(h0, "job"), 15, what="h2 to see job/")
+
+    h2.host.link_down()
+    # h0 and h1 must notice h2 is gone before anything more is written.
+    wait_until(lambda: h2.node_id not in h0.live_peers(), 10, what="h0 to see h2 dead")
+    h0.write("job/new-during-partition", b"new" * 5000)
+    os.rename(h0.path("job/rename-me"), h0.path("job/renamed"))
+    os.unlink(h0.path("job/delete-me"))
+    os.mkdir(h0.path("job/subdir"))
+    h0.write("job/subdir/inner", b"inner" * 100)
+    os.rename(h0.path("job/keep"), h0.path("job/subdir/keep"))
+    from_h2 = h2.write("job/from-h2", blob(5, 3 * MiB))
+    expected = {"from-h2": len(from_h2), "new-during-partition": 15000,
+                "renamed": 9000, "subdir/": 0, "subdir/inner": 500, "subdir/keep": 4000}
+    wait_until(lambda: tree(h1, "job") == {k: v for k, v in expected.items()
+                                           if k != "from-h2"}, 10, what="h1 to follow h0")
+    assert "from-h2" not in tree(h0, "job")  # the partition is real
+
+    h2.host.link_up()
+    t0 = time.monotonic()
+    for node in (h0, h1, h2):
+        wait_until(lambda node=node: tree(node, "job") == expected, 10,
+                   what=f"{node.node_id} to have the merged tree "
+                        f"(has {tree(node, 'job')})")
+        print(f"[netns] {node.node_id} converged {time.monotonic() - t0:.2f}s after link_up")
+    assert h2.path("job/subdir/keep").read_bytes() == b"keep" * 1000
+    assert h2.path("job/new-during-partition").read_bytes() == b"new" * 5000
+    res = h0.read("job/from-h2")
+    assert_good(res, from_h2, "h2's partition-time file read on h0")
+    # h2's file gets its replica once the network is back.
+    wait_until(lambda: (h2.state("job/from-h2") or {}).get("replicas", 0) >= 1, 20,
+               what="a replica of h2's partition-time file")
