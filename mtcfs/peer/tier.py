@@ -14,10 +14,13 @@ Runs in the daemon's trio thread; blocking gRPC calls run in worker threads.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,11 +30,11 @@ import trio
 
 from mtcfs.fs.namespace import CLOSED, Inode, Namespace
 from mtcfs.integrity import BlockVerifier, IntegrityError
-from mtcfs.peer import placement
+from mtcfs.peer import mover, placement
 from mtcfs.peer.index import Hooks, ReplicatedIndex
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.security import BadRequest
-from mtcfs.peer.server import CHUNK, Refused, start_server
+from mtcfs.peer.server import Refused, start_server
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.tiers.ram import RamTier
 
@@ -111,6 +114,7 @@ class PeerTier(Hooks):
         self._nursery: trio.Nursery | None = None
         self._started = False
         self._limiter = trio.CapacityLimiter(32)
+        self._mover: ProcessPoolExecutor | None = None
         # The FUSE layer sets these: drop kernel caches of names/inodes a remote
         # change touched; unlinked nodes are dropped once nothing uses them.
         self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
@@ -136,12 +140,20 @@ class PeerTier(Hooks):
         for p in self.members.peers.values():
             p.ever_alive = p.ever_alive or p.alive
         self._requeue_unreplicated()
+        if self.replicas > 0:
+            pool = self._pushes()
+            nursery.start_soon(partial(trio.to_thread.run_sync, lambda: [
+                f.result() for f in [pool.submit(mover.warm_up)
+                                     for _ in range(REPLICATION_WORKERS)]],
+                abandon_on_cancel=True))
         nursery.start_soon(self.members.run)
         nursery.start_soon(self._broadcast_loop)
         for _ in range(REPLICATION_WORKERS):
             nursery.start_soon(self._replication_worker)
 
     def stop(self) -> None:
+        if self._mover is not None:
+            self._mover.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.stop(grace=0.5)
         self.members.close()
@@ -361,57 +373,47 @@ class PeerTier(Hooks):
         entry = self.index.entry_of(node)
         path = self.ns.path_of(node)
         size = node.size
-        try:
-            fd = os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        prog = _Progress()
         t0 = time.monotonic()
-
-        def chunks() -> Any:
-            yield pb.PushChunk(header=pb.PushHeader(entry=entry, path=path))
-            off = 0
-            while off < size:
-                data = os.pread(fd, min(CHUNK, size - off), off)
-                if not data:
-                    return
-                yield pb.PushChunk(offset=off, data=data)
-                off += len(data)
-                prog.tick()
-
-        def call() -> pb.PushReply:
-            fut = p.stub.PushFile.future(chunks(), timeout=60 + size / (20 << 20),
-                                         metadata=self.members.metadata)
-            prog.call = fut
-            return fut.result()
-
         p.busy += 1
         try:
-            reply = await self._watched(call, prog)
-        except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.ALREADY_EXISTS:
-                # It holds a verified copy of this version already (e.g. it read it
-                # through): that copy counts.
-                log.info("%s already holds %s", p.node_id, path)
-                return True
-            self.stats.replica_failures += 1
-            self._error(f"replica of {path} to {p.addr} ({p.node_id}): {code.name}: "
-                        f"{e.details()}")
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.CANCELLED):
-                self.members.failed(p, f"push: {code.name}")
-            return False
+            code, details, stored = await trio.to_thread.run_sync(
+                partial(self._pushes().submit(
+                    mover.push, p.addr, self.tls, self.members.metadata,
+                    entry.SerializeToString(), path, self.ram.path(node.ino), size,
+                    60 + size / (20 << 20), STALL_TIMEOUT).result),
+                limiter=self._limiter)
+        except BrokenProcessPool:
+            self._mover = None  # a worker died (killed?): a new pool next time
+            code, details, stored = "UNAVAILABLE", "the replication worker died", False
         finally:
             p.busy -= 1
-            os.close(fd)
-        if not reply.stored:
+        if code == "ALREADY_EXISTS":
+            # It holds a verified copy of this version already (e.g. it read it
+            # through): that copy counts.
+            log.info("%s already holds %s", p.node_id, path)
+            return True
+        if code != "OK":
+            self.stats.replica_failures += 1
+            self._error(f"replica of {path} to {p.addr} ({p.node_id}): {code}: {details}")
+            if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
+                self.members.failed(p, f"push: {code}")
+            return False
+        if not stored:
             return False
         self.stats.replicas_sent += 1
         self.stats.replica_bytes_sent += size
         log.info("replicated %s to %s (%d bytes, %.2f s)", path, p.node_id, size,
                  time.monotonic() - t0)
         return True
+
+    def _pushes(self) -> ProcessPoolExecutor:
+        """The worker processes that stream replicas (see mtcfs.peer.mover)."""
+        if self._mover is None:
+            self._mover = ProcessPoolExecutor(
+                max_workers=REPLICATION_WORKERS,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=mover.init_worker)
+        return self._mover
 
     async def _watched(self, fn: Callable[[], Any], prog: _Progress) -> Any:
         """Run a blocking transfer in a thread; cancel it when it stops making progress
