@@ -239,6 +239,7 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
     peers.invalidate_hook = invalidate
     peers.removed_hook = fs.drop_if_unused
     peers.attrs_hook = invalidate_attrs
+    peers.last_write = lambda: fs.last_write
     fs.peers = peers
     if fs.uploader is not None:
         fs.uploader.node_id = opts.node_id

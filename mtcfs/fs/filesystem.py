@@ -89,6 +89,7 @@ class Filesystem:
         # must see (broadcast) and every seal (replication).
         self.peers: PeerTier | None = None
         self.live = False  # the kernel has completed INIT (set by the daemon)
+        self.last_write = 0.0  # time.monotonic() of the last write(): replication yields to it
         self._recover()
 
     # -- startup ---------------------------------------------------------------
@@ -497,6 +498,7 @@ class Filesystem:
             crc.update(off, buf if n == len(buf) else buf[:n])
         node.mtime_ns = node.ctime_ns = time.time_ns()
         self.stats.bytes_written += n
+        self.last_write = time.monotonic()
         return n
 
     async def _fetched(self, node: Inode, fd: int, off: int, size: int) -> bytes:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+MAX_YIELD = 30.0  # seconds a transfer may pause for the trainer's writes
 
 
 class Refused(Exception):
@@ -115,22 +116,25 @@ class PeerService(pb_grpc.PeerServicer):
                 self._in_trio(self.tier.ram.abort_incoming, key, tmp)
         return pb.PushReply(stored=ok, node_id=self.tier.node_id)
 
-    @staticmethod
-    def _receive(first: pb.PushChunk, rest: Iterator[pb.PushChunk], e: pb.Entry,
+    def _receive(self, first: pb.PushChunk, rest: Iterator[pb.PushChunk], e: pb.Entry,
                  tmp: str) -> None:
         """Write the chunks in order, verifying each block and the whole file."""
         verify = BlockVerifier(e.size, e.crc32c, bytes(e.block_crcs) or None)
         fd = os.open(tmp, os.O_WRONLY)
+        yielded = 0.0
         try:
             chunk: pb.PushChunk | None = first
             while chunk is not None:
-                if chunk.data:
+                data = chunk.data  # each access of a bytes field copies it
+                if data:
                     if chunk.offset != verify.offset:
                         raise BadRequest(f"chunk at {chunk.offset}, expected {verify.offset}")
-                    if chunk.offset + len(chunk.data) > e.size:
+                    if chunk.offset + len(data) > e.size:
                         raise BadRequest("more data than the file's size")
-                    verify.feed(chunk.data)  # raises IntegrityError on a bad block
-                    os.pwrite(fd, chunk.data, chunk.offset)
+                    verify.feed(data)  # raises IntegrityError on a bad block
+                    os.pwrite(fd, data, chunk.offset)
+                    # This host's trainer is writing: let it have the CPU (bounded).
+                    yielded += self.tier.yield_to_writes(MAX_YIELD - yielded)
                 chunk = next(rest, None)
             verify.finish()
         finally:

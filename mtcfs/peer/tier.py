@@ -122,6 +122,10 @@ class PeerTier(Hooks):
         self.attrs_hook: Callable[[int], None] | None = None  # blocking: run in a thread
         self.on_replicated: Callable[[Inode], None] = lambda node: None
         self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
+        # When the trainer last wrote (the filesystem's clock): replication yields
+        # to writes, here and, through shared memory, in the push workers.
+        self.last_write: Callable[[], float] = lambda: 0.0
+        self._shared_last_write = multiprocessing.get_context("spawn").RawValue("d", 0.0)
 
     # -- start-up --------------------------------------------------------------------
 
@@ -147,6 +151,7 @@ class PeerTier(Hooks):
                                      for _ in range(REPLICATION_WORKERS)]],
                 abandon_on_cancel=True))
         nursery.start_soon(self.members.run)
+        nursery.start_soon(self._share_write_clock)
         nursery.start_soon(self._broadcast_loop)
         for _ in range(REPLICATION_WORKERS):
             nursery.start_soon(self._replication_worker)
@@ -412,8 +417,23 @@ class PeerTier(Hooks):
             self._mover = ProcessPoolExecutor(
                 max_workers=REPLICATION_WORKERS,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=mover.init_worker)
+                initializer=mover.init_worker, initargs=(self._shared_last_write,))
         return self._mover
+
+    def yield_to_writes(self, budget: float) -> float:
+        """In a transfer thread: pause while this host's trainer is writing, at most
+        `budget` seconds. Returns the time paused. A checkpoint save is a burst;
+        its copies go right after it, and the save runs at full speed."""
+        paused = 0.0
+        while paused < budget and time.monotonic() - self.last_write() < mover.QUIET:
+            time.sleep(mover.PAUSE)
+            paused += mover.PAUSE
+        return paused
+
+    async def _share_write_clock(self) -> None:
+        while True:
+            self._shared_last_write.value = self.last_write()
+            await trio.sleep(mover.PAUSE)
 
     async def _watched(self, fn: Callable[[], Any], prog: _Progress) -> Any:
         """Run a blocking transfer in a thread; cancel it when it stops making progress
@@ -556,8 +576,9 @@ class PeerTier(Hooks):
             for chunk in call:
                 if chunk.offset != verify.offset:
                     raise IntegrityError(f"chunk at {chunk.offset}, expected {verify.offset}")
-                os.pwrite(fd, chunk.data, chunk.offset)
-                for off, length in verify.feed(chunk.data):
+                data = chunk.data  # each access of a bytes field copies it
+                os.pwrite(fd, data, chunk.offset)
+                for off, length in verify.feed(data):
                     report(off, length)
                 prog.tick()
             for off, length in verify.finish():
