@@ -5,7 +5,7 @@
 
 The first line on stdin is the configuration (JSON):
 
-    {"root": DIR, "secret": TOKEN, "health_interval": S,
+    {"root": DIR, "secret": TOKEN, "membership": {NAME: VALUE, ...},
      "mine": [[node_id, port], ...], "all": [[node_id, port], ...]}
 
 Each node of "mine" gets what a daemon has, minus FUSE: a MetaStore file and a
@@ -13,8 +13,9 @@ RamTier under DIR/<node_id> (DIR on /dev/shm, as a RAM dir), a Namespace, and a
 PeerTier listening on 127.0.0.1:<port> with every other node of "all" as its
 peers (replicas 0: the index only), started with `await tier.start(nursery)`:
 its gRPC server, health loop and broadcast loop run as in a daemon.
-`membership.HEALTH_INTERVAL` is set to "health_interval" first (the bench
-slows the health loops of the process that hosts dozens of nodes).
+The module constants of mtcfs.peer.membership named in "membership" (e.g.
+HEALTH_INTERVAL, RETRY_INTERVAL) are set first: the bench slows the health
+loops of the process that hosts dozens of nodes.
 
 Then one request per line, one JSON reply per line ("ready" first):
 
@@ -25,14 +26,17 @@ Then one request per line, one JSON reply per line ("ready" first):
   all in one go (one batch per peer); "trickle": the event loop runs between
   two changes, as between two FUSE requests. Reply: {"t0": monotonic start}.
 - {"op": "expect", "entries": E}: reply once every node here holds E entries
-  (checked after each batch a node applies): {"last": monotonic time the last
-  node got there, "cpu": CPU seconds of this process since the request,
+  (checked after each batch a node applies): {"first"/"last": monotonic time
+  the first/last node got there, "cpu"/"seconds": CPU/wall seconds of this
+  process since the request,
   "batches": batches received}.
 - {"op": "stats"}: on the writer, once its broadcast queues are empty: CPU
   seconds since "go", batches and entries sent, bytes of the ChangeBatch
   messages sent.
-- {"op": "idle", "seconds": S, "health_interval": H}: set the health interval
-  to H, wait one interval, then CPU seconds of this process per second over S.
+- {"op": "idle", "seconds": S, "membership": {...}, "settle": W}: set those
+  constants (a health loop asleep picks them up when it wakes), wait W
+  seconds, then CPU seconds of this process per second over S, Health RPCs
+  its nodes answered per second, and the constants now in effect.
 - {"op": "lookup", "rounds": R}: time ns.child() (one name in a directory) and
   a three-level path walk over every name here, R rounds: ns per call.
 - {"op": "quit"}.
@@ -88,6 +92,14 @@ class Node:
 
         self.tier.on_batch = counted  # type: ignore[method-assign]
         self.done = trio.Event()
+        self.health_served = 0  # Health RPCs this node answered
+        health_reply = self.tier.health_reply
+
+        def answered() -> Any:
+            self.health_served += 1
+            return health_reply()
+
+        self.tier.health_reply = answered  # type: ignore[method-assign]
 
     def entries(self) -> int:
         return len(self.ns.inodes) - 1  # the root is no entry
@@ -107,6 +119,16 @@ class Node:
         self.tier.stop()
         self.ram.close()
         self.store.close()
+
+
+def _set_membership(values: dict[str, float]) -> None:
+    for name, value in values.items():
+        if hasattr(membership, name):  # a constant this mtcfs does not have: ignored
+            setattr(membership, name, float(value))
+
+
+def _membership_constants() -> dict[str, float]:
+    return {k: v for k, v in vars(membership).items() if k.isupper() and isinstance(v, float)}
 
 
 async def _readline() -> str:
@@ -168,7 +190,7 @@ def _lookup(node: Node, rounds: int) -> dict[str, float]:
 
 
 async def _serve(cfg: dict[str, Any]) -> None:
-    membership.HEALTH_INTERVAL = float(cfg["health_interval"])
+    _set_membership(cfg.get("membership") or {})
     secret = str(cfg["secret"]).encode()
     addrs = [f"127.0.0.1:{port}" for _, port in cfg["all"]]
     nodes: list[Node] = []
@@ -176,15 +198,24 @@ async def _serve(cfg: dict[str, Any]) -> None:
         async with trio.open_nursery() as nursery:
             for node_id, port in cfg["mine"]:
                 me = f"127.0.0.1:{port}"
-                nodes.append(Node(cfg["root"], node_id, port, [a for a in addrs if a != me],
-                                  secret))
+                nodes.append(
+                    Node(cfg["root"], node_id, port, [a for a in addrs if a != me], secret)
+                )
             t0 = time.monotonic()
             for n in nodes:
                 await n.tier.start(nursery)
             writer = nodes[0]
             writer.count_sends()
-            _reply({"ready": True, "start_s": time.monotonic() - t0,
-                    "live": [len(n.tier.members.live()) for n in nodes]})
+            _reply(
+                {
+                    "ready": True,
+                    "start_s": time.monotonic() - t0,
+                    "live": [len(n.tier.members.live()) for n in nodes],
+                    "entries": [n.entries() for n in nodes],
+                    "snapshots_pulled": sum(n.tier.stats.snapshots_pulled for n in nodes),
+                    "cpu_s": time.process_time(),
+                }
+            )
             cpu0 = time.process_time()
             while True:
                 line = await _readline()
@@ -204,14 +235,17 @@ async def _serve(cfg: dict[str, Any]) -> None:
                         await trio.sleep(0.001)
                     cpu = time.process_time() - cpu0
                     st = writer.tier.stats
-                    _reply({
-                        "cpu": cpu,
-                        "batches": st.batches_sent - s0[0],
-                        "entries": st.entries_sent - s0[1],
-                        "bytes": sum(m.ByteSize() for m in writer.sent),
-                    })
+                    _reply(
+                        {
+                            "cpu": cpu,
+                            "batches": st.batches_sent - s0[0],
+                            "entries": st.entries_sent - s0[1],
+                            "bytes": sum(m.ByteSize() for m in writer.sent),
+                        }
+                    )
                 elif op == "expect":
                     cpu0 = time.process_time()
+                    started = time.monotonic()
                     b0 = sum(n.tier.stats.batches_received for n in nodes)
                     for n in nodes:
                         n.target = int(req["entries"])
@@ -224,18 +258,30 @@ async def _serve(cfg: dict[str, Any]) -> None:
                         for n in nodes:
                             await n.done.wait()
                     missing = [n.tier.node_id for n in nodes if n.reached is None]
-                    _reply({
-                        "last": max((n.reached or 0.0) for n in nodes),
-                        "cpu": time.process_time() - cpu0,
-                        "batches": sum(n.tier.stats.batches_received for n in nodes) - b0,
-                        "missing": missing,
-                    })
+                    _reply(
+                        {
+                            "last": max((n.reached or 0.0) for n in nodes),
+                            "first": min((n.reached or 0.0) for n in nodes),
+                            "cpu": time.process_time() - cpu0,
+                            "seconds": time.monotonic() - started,
+                            "batches": sum(n.tier.stats.batches_received for n in nodes) - b0,
+                            "missing": missing,
+                        }
+                    )
                 elif op == "idle":
-                    membership.HEALTH_INTERVAL = float(req["health_interval"])
-                    await trio.sleep(min(membership.HEALTH_INTERVAL, 2.0) + 0.5)
+                    _set_membership(req.get("membership") or {})
+                    await trio.sleep(float(req.get("settle", 1.5)))
                     c = time.process_time()
+                    h = sum(n.health_served for n in nodes)
                     await trio.sleep(float(req["seconds"]))
-                    _reply({"cpu_per_s": (time.process_time() - c) / float(req["seconds"])})
+                    _reply(
+                        {
+                            "cpu_per_s": (time.process_time() - c) / float(req["seconds"]),
+                            "health_served_per_s": (sum(n.health_served for n in nodes) - h)
+                            / float(req["seconds"]),
+                            "membership": _membership_constants(),
+                        }
+                    )
                 elif op == "lookup":
                     _reply(_lookup(nodes[-1], int(req.get("rounds", 20))))
                 elif op == "quit":

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 import durable
+import peers
 import ramtier
 from common import (
     BENCH_DIR,
@@ -56,6 +57,11 @@ GROUPS: dict[str, tuple[Group, str]] = {
         durable.group,
         "GCS tier on a local fake-gcs-server: upload, read-through, writes during an "
         "upload, vs rclone mount",
+    ),
+    "peers": (
+        peers.group,
+        "peer tier on loopback: replication and restore vs a raw gRPC stream, writes during "
+        "replication, lookups, the replicated index with 8-64 nodes",
     ),
 }
 
