@@ -202,7 +202,8 @@ def state(n: Node, cli: bool = False) -> dict[str, Any]:
         "status": counters(st),
         "data": listing(n.ram_dir / "data"),
         "incoming": listing(n.ram_dir / "incoming"),
-        "snapshot": sorted(e.SerializeToString(deterministic=True) for e in snap),
+        "snapshot": sorted(e.SerializeToString(deterministic=True)
+                           for batch in snap for e in batch.entries),
         "held": sorted(f.SerializeToString(deterministic=True) for f in held.files),
     }
 

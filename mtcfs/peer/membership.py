@@ -133,7 +133,19 @@ class Membership:
     # -- health ----------------------------------------------------------------------
 
     async def check(self, p: Peer, wait: bool = False) -> bool:
-        """wait: also while the channel is in reconnect backoff (up to the timeout)."""
+        """One health check (none if one is running). wait: also while the channel is
+        in reconnect backoff (up to the timeout)."""
+        if p.checking:
+            return p.alive
+        p.checking = True
+        try:
+            return await self._check(p, wait)
+        finally:
+            p.checking = False
+            healthy = p.alive and not p.failures
+            p.next_check = time.monotonic() + (HEALTH_INTERVAL if healthy else RETRY_INTERVAL)
+
+    async def _check(self, p: Peer, wait: bool) -> bool:
         try:
             reply = await trio.to_thread.run_sync(
                 lambda: p.stub.Health(self.health_request(), timeout=HEALTH_TIMEOUT,
@@ -164,6 +176,11 @@ class Membership:
             p.caught_up = trio.Event()
             log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
             self.on_dead(p)
+
+    def needs_poke(self, addr: str) -> bool:
+        """Called from a gRPC thread: only a peer we think is down needs the trio thread."""
+        p = self.peers.get(addr)
+        return p is not None and not p.alive
 
     def poke(self, addr: str) -> None:
         """A peer at `addr` just called us: check it now if we think it is down."""

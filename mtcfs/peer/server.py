@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
 MAX_YIELD = 30.0  # seconds a transfer may pause for the trainer's writes
 
 
@@ -64,7 +65,8 @@ class PeerService(pb_grpc.PeerServicer):
     # -- index ---------------------------------------------------------------------
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
-        if request.listen and len(request.listen) < 300:
+        if (request.listen and len(request.listen) < 300
+                and self.tier.members.needs_poke(request.listen)):
             # A peer that calls us is up: do not wait for our next round to find out.
             self._in_trio(self.tier.members.poke, request.listen)
         return self.tier.health_reply()
@@ -78,9 +80,11 @@ class PeerService(pb_grpc.PeerServicer):
         return pb.BatchReply(applied=applied, lamport=self.tier.index.clock)
 
     def Snapshot(self, request: pb.SnapshotRequest,
-                 context: grpc.ServicerContext) -> Iterator[pb.Entry]:
+                 context: grpc.ServicerContext) -> Iterator[pb.ChangeBatch]:
         entries = self._in_trio(lambda: list(self.tier.index.snapshot()))
-        yield from entries
+        for i in range(0, len(entries), SNAPSHOT_BATCH):
+            yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.index.clock,
+                                 entries=entries[i:i + SNAPSHOT_BATCH])
 
     def ListHeld(self, request: pb.ListHeldRequest,
                  context: grpc.ServicerContext) -> pb.ListHeldReply:

@@ -33,7 +33,7 @@ from mtcfs.integrity import BlockVerifier, IntegrityError
 from mtcfs.peer import mover, placement
 from mtcfs.peer.index import Hooks, ReplicatedIndex
 from mtcfs.peer.membership import Membership, Peer
-from mtcfs.peer.security import BadRequest
+from mtcfs.peer.security import BadRequest, check_entry
 from mtcfs.peer.server import Refused, start_server
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.tiers.ram import RamTier
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 BROADCAST_TIMEOUT = 5.0
 SNAPSHOT_TIMEOUT = 60.0
 STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
-MAX_BATCH = 2000
+MAX_BATCH = 500  # entries per broadcast: each batch is applied in one go
 MAX_QUEUE = 200_000
 REPLICATION_WORKERS = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
@@ -144,12 +144,6 @@ class PeerTier(Hooks):
         for p in self.members.peers.values():
             p.ever_alive = p.ever_alive or p.alive
         self._requeue_unreplicated()
-        if self.replicas > 0:
-            pool = self._pushes()
-            nursery.start_soon(partial(trio.to_thread.run_sync, lambda: [
-                f.result() for f in [pool.submit(mover.warm_up)
-                                     for _ in range(REPLICATION_WORKERS)]],
-                abandon_on_cancel=True))
         nursery.start_soon(self.members.run)
         nursery.start_soon(self._share_write_clock)
         nursery.start_soon(self._broadcast_loop)
@@ -176,27 +170,32 @@ class PeerTier(Hooks):
         self._requeue_unreplicated()
 
     async def catch_up(self, p: Peer) -> None:
-        def pull() -> list[pb.Entry]:
+        def pull() -> tuple[list[pb.Entry], int]:
             call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id),
                                    timeout=SNAPSHOT_TIMEOUT, metadata=self.members.metadata)
-            return list(call)
+            good, bad = [], 0
+            for batch in call:
+                for e in batch.entries:
+                    try:
+                        check_entry(e)
+                        good.append(e)
+                    except BadRequest:
+                        bad += 1
+            return good, bad
 
         try:
-            entries = await trio.to_thread.run_sync(pull, limiter=self._limiter)
+            entries, bad = await trio.to_thread.run_sync(pull, limiter=self._limiter)
         except grpc.RpcError as e:
             self._error(f"snapshot from {p.addr}: {e.code().name}: {e.details()}")
             return
-        good = []
-        for e in entries:
-            try:
-                from mtcfs.peer.security import check_entry
-
-                check_entry(e)
-                good.append(e)
-            except BadRequest as err:
-                self._error(f"snapshot from {p.addr}: {err}")
-        applied = self.index.apply(good)
-        self.on_remote(self.index.touched)
+        if bad:
+            self._error(f"snapshot from {p.addr}: {bad} malformed entries ignored")
+        applied = 0
+        # In slices, so that FUSE requests are served between them.
+        for i in range(0, len(entries), MAX_BATCH):
+            applied += self.index.apply(entries[i:i + MAX_BATCH])
+            self.on_remote(self.index.touched)
+            await trio.sleep(0)
         self.stats.snapshots_pulled += 1
         p.ever_alive = True
         p.caught_up.set()

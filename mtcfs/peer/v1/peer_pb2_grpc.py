@@ -47,7 +47,7 @@ class PeerStub:
         self.Snapshot = channel.unary_stream(
                 '/mtcfs.peer.v1.Peer/Snapshot',
                 request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.Entry.FromString,
+                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.ChangeBatch.FromString,
                 _registered_method=True)
         self.PushFile = channel.stream_unary(
                 '/mtcfs.peer.v1.Peer/PushFile',
@@ -84,7 +84,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Snapshot(self, request, context):
-        """The sender's whole index, parents before children, tombstones last.
+        """The sender's whole index in batches, parents before children, tombstones last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +127,7 @@ def add_PeerServicer_to_server(servicer, server):
             'Snapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.Snapshot,
                     request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.SnapshotRequest.FromString,
-                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.Entry.SerializeToString,
+                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.ChangeBatch.SerializeToString,
             ),
             'PushFile': grpc.stream_unary_rpc_method_handler(
                     servicer.PushFile,
@@ -225,7 +225,7 @@ class Peer:
             target,
             '/mtcfs.peer.v1.Peer/Snapshot',
             mtcfs_dot_peer_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
-            mtcfs_dot_peer_dot_v1_dot_peer__pb2.Entry.FromString,
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.ChangeBatch.FromString,
             options,
             channel_credentials,
             insecure,
