@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import google_crc32c
 import pytest
 
 from mtcfs.config import mount_entry
@@ -37,6 +40,29 @@ def force_unmount(path: str) -> None:
         subprocess.run(["fusermount3", "-uz", path], capture_output=True)
         if mount_entry(path) is not None:
             subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def wait_until(cond: Callable[[], Any], timeout: float = 60.0, interval: float = 0.02,
+               what: str = "") -> Any:
+    """Poll cond() until it returns something truthy (returned); fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{what or getattr(cond, '__name__', 'a condition')}")
+        time.sleep(interval)
+
+
+def blob(seed: int, size: int) -> bytes:
+    """Reproducible test data."""
+    return random.Random(seed).randbytes(size)
+
+
+def crc_of(data: bytes) -> int:
+    return google_crc32c.value(data)
 
 
 class MtcfsMount:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import google_crc32c
 import pytest
@@ -30,7 +28,7 @@ import pytest
 from mtcfs import control
 from mtcfs.peer import placement
 
-from conftest import MtcfsMount, PeerCluster
+from conftest import MtcfsMount, PeerCluster, blob, crc_of, wait_until
 
 MiB = 1 << 20
 
@@ -38,26 +36,7 @@ MiB = 1 << 20
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,
-               what: str = "") -> Any:
-    """Poll cond() until it returns something truthy (returned); fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for "
-                                 f"{what or getattr(cond, '__name__', 'a condition')}")
-        time.sleep(interval)
 
-
-def blob(seed: int, size: int) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
-def crc_of(data: bytes) -> int:
-    return google_crc32c.value(data)
 
 
 def hexcrc(data: bytes) -> str:

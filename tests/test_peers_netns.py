@@ -19,7 +19,6 @@ import contextlib
 import errno
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -27,15 +26,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import google_crc32c
 import pytest
 
 from mtcfs import control
 from mtcfs.config import mount_entry
 
-from conftest import force_unmount
+from conftest import blob, crc_of, force_unmount, wait_until
 from gcs_server import fake_gcs_binary
 from netns import (  # noqa: F401 - cluster_factory is a fixture
     Cluster,
@@ -76,26 +73,7 @@ print(json.dumps(out), flush=True)
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
-               what: str = "") -> Any:
-    """Poll cond() until it returns something truthy (returned); fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for "
-                                 f"{what or getattr(cond, '__name__', 'a condition')}")
-        time.sleep(interval)
 
-
-def blob(seed: int, size: int) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
-def crc_of(data: bytes) -> int:
-    return google_crc32c.value(data)
 
 
 class Node:

@@ -18,10 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import google_crc32c
 import pytest
@@ -32,7 +31,7 @@ from mtcfs import control
 from mtcfs.config import mount_entry
 from mtcfs.tiers.durable.localdir import LocalDirTier
 
-from conftest import MtcfsMount, mtcfs
+from conftest import MtcfsMount, mtcfs, wait_until
 from gcs_server import GcsServer, closed_port
 
 MiB = 1 << 20
@@ -42,18 +41,6 @@ BACKENDS = ["gs", "file"]
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05,
-               what: str = "") -> Any:
-    """Poll cond() until it returns something truthy (returned); fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for "
-                                 f"{what or getattr(cond, '__name__', 'a condition')}")
-        time.sleep(interval)
 
 
 def crc(data: bytes) -> int:
