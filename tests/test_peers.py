@@ -28,7 +28,7 @@ import pytest
 from mtcfs import control
 from mtcfs.peer import placement
 
-from conftest import MtcfsMount, PeerCluster, blob, crc_of, wait_until
+from conftest import MtcfsMount, PeerCluster, blob, crc_of, mtcfs, wait_until
 
 MiB = 1 << 20
 
@@ -632,3 +632,21 @@ def test_status_shows_peer_liveness(make_cluster):
                what="c marked dead in a's status")
     print(f"\ndead peer noticed in {time.monotonic() - t0:.2f} s")
     assert a.status()["peers"]["live_peers"] == 1
+
+
+def test_umount_wait_finishes_replication_first(make_cluster):
+    """`mtcfs umount --wait` returns only once the file has its K copies: right after
+    it, the peer holds a verified copy though the writer is gone."""
+    c = make_cluster(2, replicas=1)
+    a, b = c["a"], c["b"]
+    data = blob(7, 96 * MiB)
+    write(a, "w/big", data)
+    r = mtcfs("umount", str(a.path), "--wait")
+    assert r.returncode == 0, r.stderr
+    st = b.state("w/big")
+    assert sorted(st["holders"]) == ["node-a", "node-b"] and "ram" in st["tiers"], st
+    assert read(b, "w/big") == data
+    # With no live peer left, --wait says so and does not hang.
+    write(b, "w/alone", blob(8, MiB))
+    r = mtcfs("umount", str(b.path), "--wait", timeout=60)
+    assert r.returncode == 0, r.stderr

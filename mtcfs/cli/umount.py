@@ -17,7 +17,8 @@ from mtcfs.config import mount_entry, process_alive
 @click.command("umount")
 @click.argument("mountpoint", type=click.Path())
 @click.option("--wait", is_flag=True,
-              help="finish pending uploads to the durable tier first (progress bar)")
+              help="finish replication to peers and uploads to the durable tier first "
+                   "(progress bars)")
 @click.option("--timeout", type=float, default=60.0, show_default=True,
               help="seconds to wait for the daemon to exit")
 def umount(mountpoint: str, wait: bool, timeout: float) -> None:
@@ -45,6 +46,7 @@ def umount(mountpoint: str, wait: bool, timeout: float) -> None:
         click.echo(f"cleaned up the dead mount at {mountpoint}")
         return
     if wait:
+        _wait_for_replication(mountpoint)
         _wait_for_uploads(mountpoint)
     _unmount(mountpoint)
     deadline = time.monotonic() + timeout
@@ -62,6 +64,32 @@ def _unmount(mountpoint: str) -> None:
     if r.returncode != 0:
         why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "unmount failed"
         fail(f"cannot unmount {mountpoint}: {why}")
+
+
+def _wait_for_replication(mountpoint: str) -> None:
+    """Until every file has its K copies and every change reached the live peers
+    (or no peer is alive to take them: said, not waited for)."""
+    first = control.request(mountpoint, "status")["status"]["peers"]
+    if not first:
+        return
+    total = first["replication_pending_bytes"]
+
+    def poll() -> dict:
+        p = control.request(mountpoint, "status")["status"]["peers"]
+        pending = p["replication_pending_bytes"]
+        nonlocal total
+        total = max(total, pending)
+        alone = p["live_peers"] == 0 and not p["quiet"]
+        return {"bytes_total": total, "bytes_done": total - pending,
+                "finished": p["quiet"] or alone,
+                "note": "no live peer: files stay short of K copies" if alone else ""}
+
+    try:
+        st = poll_with_progress("replicating before unmount", poll)
+    except control.ControlError as e:
+        fail(str(e))
+    if st.get("note"):
+        click.echo(f"warning: {st['note']}", err=True)
 
 
 def _wait_for_uploads(mountpoint: str) -> None:

@@ -606,6 +606,9 @@ class PeerTier(Hooks):
             "peers": [p.describe() for p in self.members.peers.values()],
             "live_peers": len(self.members.live()),
             "replication_queue": len(self.repl_queue) + len(self.replicating),
+            "replication_pending_bytes": sum(
+                n.size for n in {**self.repl_queue, **self.replicating}.values()),
+            "quiet": self.quiet(),
             "broadcast_queue": sum(len(q) for q in self._queues.values()),
             "index": self.index.status(),
             **{k: v for k, v in vars(self.stats).items() if k != "last_error"},
