@@ -313,16 +313,13 @@ class ReadThrough:
         def on_verified(off: int, length: int) -> None:
             trio.from_thread.run_sync(f.add, off, length, trio_token=token)
 
-        def on_verified_here(off: int, length: int) -> None:
-            f.add(off, length)
-
         t0 = time.monotonic()
         source = ""
         try:
             if self.peers is not None and [h for h in node.holders
                                            if h != self.peers.node_id]:
                 try:
-                    source = await self.peers.download(node, fd, on_verified_here)
+                    source = await self.peers.download(node, fd, f.add)
                 except OSError as e:
                     if self.tier is None or not generation:
                         raise

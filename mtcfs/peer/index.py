@@ -299,13 +299,14 @@ class ReplicatedIndex:
                 and node.crc32c == (e.crc32c if e.has_crc else None))
 
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
+        """Same version: holders merge as a set, and a persisted flag is taken."""
         new = [h for h in e.holders if h not in node.holders]
-        if node.persisted_version < e.persisted_version and node.version == e.persisted_version:
-            node.persisted_version, node.generation = e.persisted_version, e.generation
-            new.append("")
-        if not new:
+        persisted = (node.persisted_version < e.persisted_version == node.version)
+        if not new and not persisted:
             return False
-        node.holders.extend(h for h in new if h)
+        node.holders.extend(new)
+        if persisted:
+            node.persisted_version, node.generation = e.persisted_version, e.generation
         self.ns.persist(node)
         self.touched.append(node)
         return True

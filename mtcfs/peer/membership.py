@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import trio
@@ -39,14 +39,12 @@ class Peer:
     domain: str = ""
     alive: bool = False
     failures: int = 0
-    ever_alive: bool = False
     last_ok: float = 0.0
     ram_free: int = 0
     busy: int = 0  # transfers in flight to or from it
     removed: bool = False
     checking: bool = False
     next_check: float = 0.0
-    caught_up: trio.Event = field(default_factory=trio.Event)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -104,21 +102,7 @@ class Membership:
                 log.info("peer %s removed", addr)
 
     def _connect(self, addr: str) -> Peer:
-        options = [
-            ("grpc.max_receive_message_length", security.MAX_MESSAGE),
-            ("grpc.max_send_message_length", security.MAX_MESSAGE),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 3_000),
-        ]
-        if self.tls is not None:
-            cert, key, ca = self.tls
-            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                                 certificate_chain=cert)
-            channel = grpc.secure_channel(addr, creds, options=options)
-        else:
-            channel = grpc.insecure_channel(addr, options=options)
+        channel = security.open_channel(addr, self.tls)
         return Peer(addr, channel, pb_grpc.PeerStub(channel))
 
     def live(self) -> list[Peer]:
@@ -173,7 +157,6 @@ class Membership:
         p.failures = DEAD_AFTER if dead_now else p.failures + 1
         if p.alive and p.failures >= DEAD_AFTER:
             p.alive = False
-            p.caught_up = trio.Event()
             log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
             self.on_dead(p)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -38,23 +39,22 @@ def _push_call(addr: str, tls: tuple[bytes, bytes, bytes | None] | None) -> Any:
     """PushFile taking already serialized PushChunk messages (see _chunk_message)."""
     with _lock:
         if addr not in _channels:
-            options = [
-                ("grpc.max_receive_message_length", security.MAX_MESSAGE),
-                ("grpc.max_send_message_length", security.MAX_MESSAGE),
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 3_000),
-            ]
-            if tls is not None:
-                cert, key, ca = tls
-                creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                                     certificate_chain=cert)
-                channel = grpc.secure_channel(addr, creds, options=options)
-            else:
-                channel = grpc.insecure_channel(addr, options=options)
+            channel = security.open_channel(addr, tls)
             _channels[addr] = (channel, channel.stream_unary(
                 PUSH_METHOD, request_serializer=None,
                 response_deserializer=pb.PushReply.FromString))
         return _channels[addr][1]
+
+
+def pause_while_writing(last_write: Callable[[], float], budget: float) -> float:
+    """Sleep while the trainer wrote within QUIET seconds, at most `budget` seconds;
+    returns the time paused. Pushes (here) and receives (in the daemon) both yield:
+    a checkpoint save is a burst, its copies go right after it."""
+    paused = 0.0
+    while paused < budget and time.monotonic() - last_write() < QUIET:
+        time.sleep(PAUSE)
+        paused += PAUSE
+    return paused
 
 
 def init_worker(last_write: Any) -> None:
@@ -88,11 +88,6 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def warm_up() -> int:
-    """Run once per worker at start-up, so the first push does not pay the imports."""
-    return os.getpid()
-
-
 def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
          metadata: tuple[tuple[str, str], ...], entry: bytes, path: str, data_path: str,
          size: int, timeout: float, stall: float) -> tuple[str, str, bool]:
@@ -106,10 +101,9 @@ def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
 
     def yield_to_writes() -> None:
         """The daemon's trainer is writing: let it have the CPU, within a budget."""
-        while (_last_write is not None and yielded[0] < MAX_YIELD
-               and time.monotonic() - _last_write.value < QUIET):
-            time.sleep(PAUSE)
-            yielded[0] += PAUSE
+        if _last_write is not None:
+            yielded[0] += pause_while_writing(lambda: _last_write.value,
+                                              MAX_YIELD - yielded[0])
             last[0] = time.monotonic()  # paused on purpose: not a stall
 
     def chunks() -> Any:

@@ -35,6 +35,25 @@ class BadRequest(ValueError):
     """Becomes INVALID_ARGUMENT; the request changed nothing."""
 
 
+def open_channel(addr: str, tls: tuple[bytes, bytes, bytes | None] | None) -> grpc.Channel:
+    """A client channel to a peer (the daemon's and the push workers' alike): message
+    limits, quick reconnects, keepalive to notice a silent peer, mutual TLS if set."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 3_000),
+    ]
+    if tls is None:
+        return grpc.insecure_channel(addr, options=options)
+    cert, key, ca = tls
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                         certificate_chain=cert)
+    return grpc.secure_channel(addr, creds, options=options)
+
+
 def call_metadata(token: bytes | None) -> tuple[tuple[str, str], ...]:
     return ((AUTH_KEY, "Bearer " + token.decode()),) if token else ()
 

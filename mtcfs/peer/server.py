@@ -18,7 +18,7 @@ import grpc
 import trio
 
 from mtcfs.integrity import BlockVerifier, IntegrityError
-from mtcfs.peer import security
+from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
-MAX_YIELD = 30.0  # seconds a transfer may pause for the trainer's writes
 
 
 class Refused(Exception):
@@ -112,11 +111,10 @@ class PeerService(pb_grpc.PeerServicer):
             self._receive(first, request_iterator, e, tmp)
             ok = self._in_trio(self.tier.finish_receive, e, key, tmp)
         except Exception as exc:
-            self._in_trio(self.tier.ram.abort_incoming, key, tmp)
             log.warning("replica of %s from %s rejected: %s", header.path, e.writer, exc)
             self._fail(context, exc)
         finally:
-            if not ok:
+            if not ok:  # refused, failed or aborted: give back the space reserved
                 self._in_trio(self.tier.ram.abort_incoming, key, tmp)
         return pb.PushReply(stored=ok, node_id=self.tier.node_id)
 
@@ -138,7 +136,7 @@ class PeerService(pb_grpc.PeerServicer):
                     verify.feed(data)  # raises IntegrityError on a bad block
                     os.pwrite(fd, data, chunk.offset)
                     # This host's trainer is writing: let it have the CPU (bounded).
-                    yielded += self.tier.yield_to_writes(MAX_YIELD - yielded)
+                    yielded += self.tier.yield_to_writes(mover.MAX_YIELD - yielded)
                 chunk = next(rest, None)
             verify.finish()
         finally:

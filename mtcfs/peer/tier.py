@@ -120,7 +120,6 @@ class PeerTier(Hooks):
         self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
         self.removed_hook: Callable[[Inode], None] | None = None
         self.attrs_hook: Callable[[int], None] | None = None  # blocking: run in a thread
-        self.on_replicated: Callable[[Inode], None] = lambda node: None
         self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
         # When the trainer last wrote (the filesystem's clock): replication yields
         # to writes, here and, through shared memory, in the push workers.
@@ -141,8 +140,6 @@ class PeerTier(Hooks):
             for p in self.members.live():
                 n.start_soon(self.catch_up, p)
         self._started = True
-        for p in self.members.peers.values():
-            p.ever_alive = p.ever_alive or p.alive
         self._requeue_unreplicated()
         nursery.start_soon(self.members.run)
         nursery.start_soon(self._share_write_clock)
@@ -163,8 +160,7 @@ class PeerTier(Hooks):
             self._nursery.start_soon(self.catch_up, p)
         if self._queues.get(p.addr):
             self._wake_broadcast.set()  # changes queued while it was down: send them now
-        if self.repl_queue or self._short_of_replicas():
-            self._requeue_unreplicated()
+        self._requeue_unreplicated()
 
     def _on_dead(self, p: Peer) -> None:
         self._requeue_unreplicated()
@@ -197,8 +193,6 @@ class PeerTier(Hooks):
             self.on_remote(self.index.touched)
             await trio.sleep(0)
         self.stats.snapshots_pulled += 1
-        p.ever_alive = True
-        p.caught_up.set()
         log.info("caught up with %s (%s): %d entries, %d applied", p.addr, p.node_id,
                  len(entries), applied)
 
@@ -302,9 +296,6 @@ class PeerTier(Hooks):
 
     # -- replication (sender) --------------------------------------------------------
 
-    def _short_of_replicas(self) -> bool:
-        return any(self._needs_copies(n) for n in self.ns.files())
-
     def _needs_copies(self, node: Inode) -> bool:
         # Only copies on live peers count: a dead holder's copy is made again elsewhere.
         return (self.replicas > 0 and node.linked and node.state == CLOSED and node.has_data
@@ -362,7 +353,6 @@ class PeerTier(Hooks):
                     node.holders.append(target.node_id)
                 self.ns.persist(node)
                 self.index.holders_changed(node)
-                self.on_replicated(node)
 
     async def _drained(self, p: Peer) -> None:
         """Wait (bounded) until the changes queued for p have reached it: a replica
@@ -420,14 +410,8 @@ class PeerTier(Hooks):
         return self._mover
 
     def yield_to_writes(self, budget: float) -> float:
-        """In a transfer thread: pause while this host's trainer is writing, at most
-        `budget` seconds. Returns the time paused. A checkpoint save is a burst;
-        its copies go right after it, and the save runs at full speed."""
-        paused = 0.0
-        while paused < budget and time.monotonic() - self.last_write() < mover.QUIET:
-            time.sleep(mover.PAUSE)
-            paused += mover.PAUSE
-        return paused
+        """In a receiving thread: pause while this host's trainer writes (bounded)."""
+        return mover.pause_while_writing(self.last_write, budget)
 
     async def _share_write_clock(self) -> None:
         while True:
