@@ -249,6 +249,27 @@ class Scratch:
 # -- statistics and results ------------------------------------------------------
 
 
+def mib_s(size: int, seconds: float) -> float:
+    return size / (1 << 20) / seconds
+
+
+def alternating_pair(a: Callable[[], T], b: Callable[[], T]) -> Callable[[], tuple[T, T]]:
+    """A call that runs both a and b, in the order a b, then b a, a b, ... (neither
+    always goes first on a noisy machine); it returns (a's result, b's result)."""
+    calls = 0
+
+    def both() -> tuple[T, T]:
+        nonlocal calls
+        calls += 1
+        if calls % 2 == 0:
+            y = b()
+            return a(), y
+        x = a()
+        return x, b()
+
+    return both
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -44,11 +44,13 @@ from common import (
     MiB,
     Mount,
     Row,
+    alternating_pair,
     drop_caches,
     err,
     fmt,
     force_unmount,
     median,
+    mib_s,
 )
 from ramtier import _size
 
@@ -71,9 +73,6 @@ def _gcs_server_module() -> ModuleType:
     spec.loader.exec_module(mod)
     return mod
 
-
-def _mib_s(size: int, seconds: float) -> float:
-    return size / MiB / seconds
 
 
 def cpu_seconds(pid: int) -> float:
@@ -306,7 +305,7 @@ def upload(ctx: Context, gcs: Gcs) -> list[Row]:
             raise BenchError(f"mtcfs reported up/{name} persisted, the bucket disagrees")
         (m.path / name).unlink()
         _settle(m)
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     def theirs() -> tuple[float, float]:
         out = []
@@ -317,7 +316,7 @@ def upload(ctx: Context, gcs: Gcs) -> list[Row]:
             _quiesce([m_pid, gcs.pid])
             t0 = time.monotonic()
             blob.upload_from_filename(str(src))
-            out.append(_mib_s(size, time.monotonic() - t0))
+            out.append(mib_s(size, time.monotonic() - t0))
             blob.delete()
         return out[0], out[1]
 
@@ -377,7 +376,7 @@ def read_through(ctx: Context, gcs: Gcs) -> list[Row]:
             fetched.append(m.durable()["readthrough"]["fetched_bytes"])
         finally:
             ctx.scratch.unmount(m)
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     def theirs() -> float:
         drop_caches()
@@ -388,7 +387,7 @@ def read_through(ctx: Context, gcs: Gcs) -> list[Row]:
         if dest.stat().st_size != size:
             raise BenchError(f"downloaded {dest.stat().st_size} bytes, expected {size}")
         dest.unlink()
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     xs, ys = ctx.alternate(ours, theirs, label="read-through MiB/s")
     if any(f != size for f in fetched):
@@ -495,16 +494,9 @@ def write_while_uploading(ctx: Context, gcs: Gcs, m: Mount) -> list[Row]:
         bg.unlink()
         a.unlink()
         _settle(m)
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
-    flip = itertools.count()
-
-    def busy_and_external() -> tuple[float, float]:
-        if next(flip) % 2:
-            e = one("ext")
-            return one("busy"), e
-        b = one("busy")
-        return b, one("ext")
+    busy_and_external = alternating_pair(lambda: one("busy"), lambda: one("ext"))
 
     try:
         xs, ys = ctx.alternate(

@@ -67,10 +67,12 @@ from common import (
     MiB,
     Mount,
     Row,
+    alternating_pair,
     drop_caches,
     err,
     fmt,
     median,
+    mib_s,
 )
 from durable import _quiesce, cpu_seconds
 from grpc_reference import GrpcServer
@@ -87,9 +89,6 @@ LOOKUP_DIRS, LOOKUP_FILES = 10, 1000
 # mtcfs.peer.membership constants in the process that hosts the N-1 receivers.
 SLOW_HEALTH = {"HEALTH_INTERVAL": 3600.0, "RETRY_INTERVAL": 3600.0}
 
-
-def _mib_s(size: int, seconds: float) -> float:
-    return size / MiB / seconds
 
 
 def free_ports(n: int) -> list[int]:
@@ -363,7 +362,7 @@ def replication(ctx: Context, cl: Cluster, srv: GrpcServer, details: dict[str, A
         path.unlink()
         settle(a, b)
         wait_ram_below(b, base_b + MiB)
-        return _mib_s(size, t1 - t0), _mib_s(size, push)
+        return mib_s(size, t1 - t0), mib_s(size, push)
 
     def theirs() -> float:
         stored.unlink(missing_ok=True)  # no truncate in the timed push
@@ -373,7 +372,7 @@ def replication(ctx: Context, cl: Cluster, srv: GrpcServer, details: dict[str, A
         c1 = time.process_time(), srv.cpu_seconds()
         cpu["ref"].append((c1[0] - c0[0], c1[1] - c0[1]))
         stored.unlink(missing_ok=True)
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     try:
         xs, ys = ctx.alternate(ours, theirs, label="replication MiB/s (close->replica/push)")
@@ -467,7 +466,7 @@ def restore(ctx: Context, cl: Cluster, srv: GrpcServer, details: dict[str, Any])
                 raise BenchError(f"read {got} bytes on {name} (again), expected {size}")
         finally:
             cl.stop(name)
-        return _mib_s(size, t), _mib_s(size, t2)
+        return mib_s(size, t), mib_s(size, t2)
 
     def theirs() -> float:
         _quiesce([*cl.pids(), srv.pid])
@@ -479,7 +478,7 @@ def restore(ctx: Context, cl: Cluster, srv: GrpcServer, details: dict[str, Any])
         dest.unlink()
         if got != size:
             raise BenchError(f"raw gRPC fetch got {got} bytes, expected {size}")
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     try:
         xs, ys = ctx.alternate(ours, theirs, label="restore MiB/s (peer/local RAM), raw fetch")
@@ -650,16 +649,9 @@ def write_while_replicating(
         (srv.root / "external.bin").unlink(missing_ok=True)
         settle(a, b)
         wait_ram_below(b, base_b + MiB)
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
-    flip = itertools.count()
-
-    def busy_and_external() -> tuple[float, float]:
-        if next(flip) % 2:
-            e = one("ext")
-            return one("busy"), e
-        x = one("busy")
-        return x, one("ext")
+    busy_and_external = alternating_pair(lambda: one("busy"), lambda: one("ext"))
 
     try:
         xs, ys = ctx.alternate(

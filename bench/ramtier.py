@@ -14,11 +14,19 @@ import os
 import shutil
 from pathlib import Path
 
-from common import BenchError, Context, GiB, KiB, MiB, Row, drop_caches, err, fmt, median
-
-
-def _mib_s(size: int, seconds: float) -> float:
-    return size / MiB / seconds
+from common import (
+    BenchError,
+    Context,
+    GiB,
+    KiB,
+    MiB,
+    Row,
+    drop_caches,
+    err,
+    fmt,
+    median,
+    mib_s,
+)
 
 
 def seq_write(ctx: Context) -> list[Row]:
@@ -31,7 +39,7 @@ def seq_write(ctx: Context) -> list[Row]:
     def one(path: Path, bs: int) -> float:
         t = ctx.io.write(path, size, bs, fsync=True)
         path.unlink()
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     per_write = requests_per_write(ctx)
     probe = (
@@ -91,7 +99,7 @@ def seq_read(ctx: Context) -> list[Row]:
         t, n = ctx.io.read(path, MiB)
         if n != size:
             raise BenchError(f"read {n} bytes of {path}, expected {size}")
-        return _mib_s(size, t)
+        return mib_s(size, t)
 
     def one(path: Path) -> tuple[float, float]:
         drop_caches()
@@ -158,15 +166,15 @@ def metadata_cost(ctx: Context, nfiles: int = 1024) -> list[Row]:
             "meta",
             f"{_size(size)} as 1 file, fsync",
             "MiB/s",
-            [_mib_s(size, t1) for t1, _ in xs],
-            [_mib_s(size, t1) for t1, _ in ys],
+            [mib_s(size, t1) for t1, _ in xs],
+            [mib_s(size, t1) for t1, _ in ys],
         ),
         Row(
             "meta",
             f"{_size(size)} as {many}, fsync each",
             "MiB/s",
-            [_mib_s(size, t2) for _, t2 in xs],
-            [_mib_s(size, t2) for _, t2 in ys],
+            [mib_s(size, t2) for _, t2 in xs],
+            [mib_s(size, t2) for _, t2 in ys],
         ),
         Row(
             "meta",
@@ -195,7 +203,7 @@ def daemon_rss(ctx: Context, factor: int = 4) -> list[Row]:
             idle.append(m.memory("VmHWM") / MiB)
             t = ctx.io.write(m.path / "big", size, MiB, fsync=True)
             peaks.append(m.memory("VmHWM") / MiB)
-            speed.append(_mib_s(size, t))
+            speed.append(mib_s(size, t))
         finally:
             ctx.scratch.unmount(m)
         err.print(

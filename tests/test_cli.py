@@ -193,12 +193,7 @@ def test_unknown_option(tmp_path):
     (("--bucket", "file:///tmp/x", "--persist", "interval:0"), "seconds > 0"),
 ])
 def test_bad_durable_options(tmp_path, ram_root, args, why):
-    mp = tmp_path / "mp"
-    mp.mkdir()
-    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_root / "ram"), *args)
-    assert r.returncode == 2, r.stderr
-    assert why in one_line(r.stderr)
-    assert mount_entry(str(mp)) is None
+    assert_refused_before_mount(tmp_path, ram_root, args, why)
 
 
 @pytest.mark.parametrize(("args", "why"), [
@@ -216,6 +211,11 @@ def test_bad_durable_options(tmp_path, ram_root, args, why):
      "peers file"),
 ])
 def test_bad_peer_options(tmp_path, ram_root, args, why):
+    assert_refused_before_mount(tmp_path, ram_root, args, why)
+
+
+def assert_refused_before_mount(tmp_path, ram_root, args: tuple[str, ...], why: str) -> None:
+    """A usage error (exit 2) naming `why`, and nothing mounted."""
     mp = tmp_path / "mp"
     mp.mkdir()
     r = mtcfs("mount", str(mp), "--ram-dir", str(ram_root / "ram"), *args)
