@@ -21,11 +21,14 @@ lint: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
 	$(PY) -m ruff format --check mtcfs tests bench
 
-# The peer protocol's Python code is generated from proto/ and checked in
-# (tests/test_proto.py fails when it is stale).
+# The peer protocol's and the CSI subset's Python code is generated from proto/
+# and checked in (tests/test_proto.py fails when it is stale). The CSI proto keeps
+# the spec's package (csi.v1) and is mapped onto mtcfs/csi/v1 for the imports.
 proto: bootstrap
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/mtcfs/peer/v1/peer.proto
+	$(PY) -m grpc_tools.protoc -Imtcfs/csi/v1=proto/csi/v1 --python_out=. --pyi_out=. \
+		--grpc_python_out=. proto/csi/v1/csi.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

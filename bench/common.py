@@ -469,6 +469,8 @@ class Context:
     scratch: Scratch
     io: IoTool
     ram_size: str = "8GiB"
+    steps: int = 20  # the lifecycle group: checkpoint steps per training run
+    step_interval: float = 0.0  # the lifecycle group: seconds between steps (0: measured)
     _shared: Mount | None = field(default=None, repr=False)
 
     def mtcfs(self) -> Mount:

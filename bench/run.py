@@ -1,6 +1,7 @@
 """`make bench`: mtcfs side by side with its references, in one run.
 
     .venv/bin/python bench/run.py [--reps N] [--size SIZE] [--only NAME[,NAME]] [--json]
+                                  [--steps N] [--step-interval SECONDS]   (lifecycle group)
 
 Each figure is printed beside its reference measured in the same run, with
 the ratio and the target of DESIGN.md ("Quality bar"); the results are also
@@ -23,6 +24,8 @@ from types import FrameType
 from typing import Any
 
 import durable
+import k8s
+import lifecycle
 import peers
 import ramtier
 from common import (
@@ -42,6 +45,7 @@ from common import (
 )
 from rich.console import Console
 
+import csi  # bench/csi.py; ruff files it as first-party because of the top-level csi/ dir
 from mtcfs.config import ConfigError, format_size, parse_size
 
 Group = Callable[[Context], list[Row]]
@@ -63,6 +67,22 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "peer tier on loopback: replication and restore vs a raw gRPC stream, writes during "
         "replication, lookups, the replicated index with 8-64 nodes",
     ),
+    "lifecycle": (
+        lifecycle.group,
+        "training loop: --steps checkpoint steps of --size on 2 peered hosts (3 x --size RAM, "
+        "K=1, --persist step, --keep-steps) over fake-gcs-server, vs tmpfs and "
+        "google-cloud-storage",
+    ),
+    "csi": (
+        csi.group,
+        "CSI node plugin: NodePublishVolume to a usable target vs mount --bind, node-daemon "
+        "restart to re-bound targets",
+    ),
+    "k8s": (
+        k8s.group,
+        "CheckpointConfiguration controller against an in-memory API server: reconcile time "
+        "of a CPC change",
+    ),
 }
 
 RESULTS = BENCH_DIR / "results" / "latest.json"
@@ -76,11 +96,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure [5]")
     p.add_argument("--size", default="1GiB", help="bytes per sequential test [1GiB]")
+    p.add_argument(
+        "--steps", type=int, default=20, help="lifecycle: checkpoint steps of --size each [20]"
+    )
+    p.add_argument(
+        "--step-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="lifecycle: seconds between steps [0: from the measured GCS upload speed]",
+    )
     p.add_argument("--only", metavar="NAME[,NAME]", help="run only these groups")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be at least 1")
+    if args.steps < 2:
+        p.error("--steps must be at least 2")
+    if args.step_interval < 0:
+        p.error("--step-interval must not be negative")
     try:
         args.size = parse_size(args.size)
     except ConfigError as e:
@@ -126,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             scratch,
             IoTool(scratch.tmp),
             ram_size=f"{max(8, 3 * args.size // GiB)}GiB",
+            steps=args.steps,
+            step_interval=args.step_interval,
         )
         try:
             for name in args.groups:

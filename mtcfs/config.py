@@ -33,13 +33,8 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-# Options that belong to later tiers: accepted by the parser so that scripts
-# written against DESIGN.md get a clear message, never silently ignored.
-NOT_YET_SUPPORTED = (
-    "keep_steps",
-    "fsync",
-    "metrics_port",
-)
+FSYNC_LEVELS = ("local", "replicas", "gcs")
+LOG_FORMATS = ("text", "json")
 
 # Mount options libfuse and the kernel accept (checked before mounting so a
 # typo is a usage error, not a failed mount).
@@ -115,9 +110,15 @@ class MountOptions:
     list_refresh: float = 30.0
     commit_markers: str | None = None
     tmp_patterns: str | None = None
+    # Lifecycle (mtcfs.lifecycle): retention, space, durability; observability.
     keep_steps: int | None = None
-    fsync: str | None = None
+    incomplete_grace: float = 600.0
+    full_timeout: float = 60.0
+    fsync: str = "local"
+    fsync_timeout: float = 300.0
     metrics_port: int | None = None
+    metrics_address: str = "0.0.0.0"
+    log_format: str = "text"
 
     @property
     def control_socket(self) -> str:
@@ -151,6 +152,9 @@ def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
         ok, want = isinstance(value, bool), "true or false"
     elif name in ("replicas", "keep_steps", "metrics_port"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh"):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        want = "a number of seconds"
     elif name == "ram_size":
         ok = isinstance(value, str | int | float) and not isinstance(value, bool)
         want = 'a size such as "8GiB" or a number of bytes'
@@ -181,14 +185,10 @@ def build_options(mountpoint: str, cli: dict[str, object], config_file: str | No
 
 
 def _validate(opts: MountOptions) -> None:
-    for name in NOT_YET_SUPPORTED:
-        value = getattr(opts, name)
-        if value not in (None, False):
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} is not yet supported by this version of mtcfs")
     opts.ram_size = parse_size(opts.ram_size or "4GiB")
     _validate_durable(opts)
     _validate_peers(opts)
+    _validate_lifecycle(opts)
     opts.log_level = str(opts.log_level).lower()
     if opts.log_level not in LOG_LEVELS:
         raise ConfigError(
@@ -249,6 +249,49 @@ def _validate_durable(opts: MountOptions) -> None:
         value = getattr(opts, name)
         if value is not None and not [v for v in str(value).split(",") if v.strip()]:
             raise ConfigError(f"--{name.replace('_', '-')} needs at least one name")
+
+
+def _seconds(opts: MountOptions, name: str, allow_zero: bool = False) -> float:
+    flag = "--" + name.replace("_", "-")
+    try:
+        value = float(getattr(opts, name))
+    except (TypeError, ValueError):
+        raise ConfigError(f"invalid {flag} {getattr(opts, name)!r}: a number of seconds") from None
+    if value < 0 or (value == 0 and not allow_zero) or value != value:
+        raise ConfigError(f"invalid {flag} {value:g}: must be greater than zero")
+    setattr(opts, name, value)
+    return value
+
+
+def _validate_lifecycle(opts: MountOptions) -> None:
+    if opts.keep_steps is not None:
+        if isinstance(opts.keep_steps, bool) or not isinstance(opts.keep_steps, int) \
+                or opts.keep_steps < 1:
+            raise ConfigError(f"invalid --keep-steps {opts.keep_steps!r}: a number >= 1")
+        if opts.bucket is None:
+            # Retention drops every RAM copy of an older step: only safe when
+            # the step is in the durable tier.
+            raise ConfigError("--keep-steps needs --bucket: older steps are evicted from RAM "
+                              "once persisted, and without a durable tier nothing would be left")
+    _seconds(opts, "incomplete_grace", allow_zero=True)
+    _seconds(opts, "full_timeout", allow_zero=True)
+    _seconds(opts, "fsync_timeout")
+    opts.fsync = str(opts.fsync or "local").lower()
+    if opts.fsync not in FSYNC_LEVELS:
+        raise ConfigError(f"invalid --fsync {opts.fsync!r}: choose one of "
+                          f"{', '.join(FSYNC_LEVELS)}")
+    if opts.fsync == "replicas" and not (opts.listen and opts.replicas):
+        raise ConfigError("--fsync replicas needs peers (--listen, --peers) and --replicas >= 1")
+    if opts.fsync == "gcs" and opts.bucket is None:
+        raise ConfigError("--fsync gcs needs --bucket")
+    if opts.metrics_port is not None and (
+            isinstance(opts.metrics_port, bool) or not isinstance(opts.metrics_port, int)
+            or not 0 <= opts.metrics_port < 65536):
+        raise ConfigError(f"invalid --metrics-port {opts.metrics_port!r}: a port 0-65535 "
+                          "(0 picks a free one)")
+    opts.log_format = str(opts.log_format or "text").lower()
+    if opts.log_format not in LOG_FORMATS:
+        raise ConfigError(f"invalid --log-format {opts.log_format!r}: text or json")
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:

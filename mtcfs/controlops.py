@@ -15,6 +15,7 @@ from mtcfs import __version__
 from mtcfs.config import MountOptions
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode
+from mtcfs.lifecycle.space import step_view
 from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
 
 Reply = dict[str, Any]
@@ -53,6 +54,11 @@ class ControlHandler:
                 st["health"] = "degraded"
         else:
             st["durable"] = None
+        lc = st.get("lifecycle")
+        if lc and (lc["writers_waiting"] or (lc["last_full_age"] is not None
+                                              and lc["last_full_age"] < 60)):
+            st["health"] = "degraded"  # writers blocked on, or refused by, a full RAM tier
+        st["metrics_url"] = self.fs.metrics_url
         peers = self.fs.peers
         st["peers"] = peers.status() if peers is not None else None
         if peers is not None and rt is not None:
@@ -163,15 +169,36 @@ class ControlHandler:
     # -- steps --------------------------------------------------------------------
 
     def op_steps(self, req: dict[str, Any]) -> Reply:
-        ns = self.fs.ns
-        up = self.fs.uploader
+        fs = self.fs
+        ns = fs.ns
+        up = fs.uploader
         rules = up.rules if up is not None else StepRules()
+        lc = fs.lifecycle
+        k = lc.copies.replicas if lc is not None else 0
+        kept = set()
+        if lc is not None and lc.retention is not None:
+            kept = step_view(fs, rules, lc.retention.keep).kept
         steps = []
         newest_safe = None
         for d in all_steps(ns, rules):
             files = [f for f in files_under(ns, d) if f.linked]
             complete = rules.is_committed_step(ns, d)
             persisted = bool(files) and all(f.persisted for f in files)
+            per_file = [{
+                "path": ns.path_of(f),
+                "size": f.size,
+                "state": f.state,
+                "replicas": len([h for h in f.holders if h != f.writer]) if f.state == CLOSED
+                else 0,
+                "holders": list(f.holders),
+                "persisted": f.persisted,
+                "in_ram": f.has_data,
+            } for f in files]
+            replicas = [e["replicas"] for e in per_file]
+            # Safe: every file persisted, or in K peer copies (DESIGN.md, lifecycle).
+            safe = complete and bool(files) and all(
+                f.persisted or (k and len([h for h in f.holders if h != f.writer]) >= k)
+                for f in files)
             entry = {
                 "path": ns.path_of(d),
                 "step": step_number(d.name),
@@ -184,15 +211,21 @@ class ControlHandler:
                 "files_in_ram": sum(1 for f in files if f.has_data),
                 "persisted": persisted,
                 "files_persisted": sum(1 for f in files if f.persisted),
-                "replicas_min": 0,
+                "replicas_min": min(replicas, default=0),
+                "replicas_max": max(replicas, default=0),
+                "safe": safe,
+                "kept": d.ino in kept if lc is not None and lc.retention is not None else None,
                 "mtime": d.mtime_ns / 1e9,
+                "file_list": per_file,
             }
             steps.append(entry)
-            if complete and persisted:
+            if safe:
                 key = (entry["step"] if entry["step"] is not None else -1, entry["mtime"])
                 if newest_safe is None or key > newest_safe[0]:
                     newest_safe = (key, entry["path"])
         steps.sort(key=lambda e: (e["step"] if e["step"] is not None else -1, e["mtime"]))
         return {"ok": True, "steps": steps,
                 "newest_complete_safe": newest_safe[1] if newest_safe else None,
+                "replicas": k,
+                "keep_steps": lc.retention.keep if lc is not None and lc.retention else None,
                 "durable": up.tier.url if up is not None else None}

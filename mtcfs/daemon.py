@@ -33,9 +33,19 @@ class MountFailed(RuntimeError):
     pass
 
 
-def setup_logging(level: str, stream: Any = None) -> None:
+def setup_logging(level: str, stream: Any = None, fmt: str = "text") -> None:
+    """One line per event; with fmt "json", one JSON object per line with the
+    field names Cloud Logging reads (severity, message, time)."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter(
+            "%(asctime)s %(levelname)s %(name)s %(message)s",
+            rename_fields={"levelname": "severity", "asctime": "time", "name": "logger"},
+            datefmt="%Y-%m-%dT%H:%M:%S%z"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -45,7 +55,7 @@ def run(opts: MountOptions) -> int:
     """Mount and serve until unmounted. With --daemon, the calling process
     returns 0 as soon as the mount is live (or 1 with the reason)."""
     if not opts.daemon:
-        setup_logging(opts.log_level)
+        setup_logging(opts.log_level, fmt=opts.log_format)
         return _serve_foreground(opts, ready_fd=None)
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -71,7 +81,7 @@ def run(opts: MountOptions) -> int:
     os.dup2(fd, 2)
     os.close(fd)
     os.close(null)
-    setup_logging(opts.log_level)
+    setup_logging(opts.log_level, fmt=opts.log_format)
     code = _serve_foreground(opts, ready_fd=write_fd)
     os._exit(code)
 
@@ -154,6 +164,24 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
             _attach_peers(opts, fs)
         except (OSError, ValueError) as e:
             return _fail_early(f"peer tier: {e}", ready_fd, store)
+    _attach_lifecycle(opts, fs)
+    metrics = None
+    if opts.metrics_port is not None:
+        from mtcfs.metrics import Metrics
+
+        metrics = Metrics(fs)
+        try:
+            port = metrics.serve(opts.metrics_address, opts.metrics_port)
+        except OSError as e:
+            return _fail_early(f"metrics server on {opts.metrics_address}:{opts.metrics_port}: "
+                               f"{e.strerror}", ready_fd, store)
+        assert fs.lifecycle is not None
+        fs.lifecycle.on_replication_lag = metrics.replication_lag.observe
+        fs.lifecycle.on_persist_lag = metrics.persist_lag.observe
+        fs.lifecycle.durability.on_waited = (
+            lambda level, s: metrics.fsync_seconds.labels(level).observe(s))
+        fs.metrics_url = f"http://{opts.metrics_address}:{port}/metrics"
+        log.info("metrics on %s (health: /healthz)", fs.metrics_url)
     ops = FuseOperations(fs)
     try:
         pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
@@ -162,13 +190,15 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, store)
     code = 0
     try:
-        code = trio.run(_main, opts, fs, ready_fd)
+        code = trio.run(_main, opts, fs, ready_fd, metrics)
     except Exception:
         log.exception("daemon failed")
         code = 1
     finally:
         if fs.peers is not None:
             fs.peers.stop()
+        if metrics is not None:
+            metrics.close()
         pyfuse3.close(unmount=True)
         ram.close()
         store.close()
@@ -251,11 +281,40 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
         fs.readthrough.peers = peers
 
 
+def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
+    """Eviction, retention and fsync levels, hooked to the tiers' events."""
+    from mtcfs.lifecycle import Lifecycle
+    from mtcfs.persist.steps import StepRules
+
+    rules = fs.uploader.rules if fs.uploader is not None else StepRules()
+    lc = fs.lifecycle = Lifecycle(fs, opts, rules)
+    if fs.uploader is not None:
+        announce = fs.uploader.on_persisted
+
+        def persisted(node: Inode) -> None:
+            announce(node)
+            lc.on_persisted(node)
+
+        fs.uploader.on_persisted = persisted
+    if fs.peers is not None:
+        fs.peers.on_copies = lc.on_copies
+        fs.peers.make_room = lambda need: lc.space.make_room_now(need, persisted_only=True)
+        if lc.retention is not None:
+            fs.peers.retired = lc.retention.retired
+
+    def invalidate_entry(parent: Inode, name: bytes) -> None:
+        if fs.live:
+            pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
+
+    fs.invalidate_entry = invalidate_entry
+
+
 def _names(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
 
 
-async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> int:
+async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
+                metrics: Any = None) -> int:
     started = time.time()
     on_control = ControlHandler(fs, opts, started, lambda: nursery.cancel_scope.cancel())
 
@@ -289,6 +348,10 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None) -> int
         nursery.start_soon(serve_fuse)
         nursery.start_soon(watch_signals)
         nursery.start_soon(fs.ram.empty_trash)
+        if fs.lifecycle is not None:
+            await fs.lifecycle.run(nursery)
+        if metrics is not None:
+            nursery.start_soon(metrics.refresh_loop)
         if fs.readthrough is not None:
             nursery.start_soon(fs.readthrough.run)
         if fs.uploader is not None and fs.readthrough is not None:

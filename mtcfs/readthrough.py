@@ -344,6 +344,7 @@ class ReadThrough:
                     and node.generation == generation and node.version == version
                     and still_the_data_file()):
                 node.has_data = True
+                node.cached = True  # evictable while another copy exists (lifecycle)
                 if self.peers is not None and self.peers.node_id not in node.holders:
                     node.holders.append(self.peers.node_id)
                 with self.ns.store.transaction():

@@ -25,7 +25,7 @@ MOUNT_OPTIONS = (
     "--keep-steps", "--fsync", "--metrics-port", "--log-level", "--config", "-o", "--daemon",
 )
 COMMANDS = ("mount", "umount", "status", "persist", "prefetch", "steps", "demo", "csi",
-            "controller")
+            "controller", "discover")
 
 
 def one_line(stderr: str) -> str:
@@ -224,26 +224,26 @@ def assert_refused_before_mount(tmp_path, ram_root, args: tuple[str, ...], why: 
     assert mount_entry(str(mp)) is None
 
 
-@pytest.mark.parametrize("args", [
-    ("--keep-steps", "3"),
-    ("--fsync", "replicas"),
+@pytest.mark.parametrize(("args", "why"), [
+    (("--keep-steps", "3"), "--keep-steps needs --bucket"),
+    (("--keep-steps", "0", "--bucket", "file:///tmp/x"), "invalid --keep-steps"),
+    (("--fsync", "replicas"), "--fsync replicas needs peers"),
+    (("--fsync", "gcs"), "--fsync gcs needs --bucket"),
+    (("--fsync", "disk"), "'disk' is not one of"),
+    (("--full-timeout", "-1"), "invalid --full-timeout"),
+    (("--fsync-timeout", "0"), "invalid --fsync-timeout"),
+    (("--metrics-port", "70000"), "invalid --metrics-port"),
+    (("--log-format", "xml"), "'xml' is not one of"),
 ])
-def test_later_issue_option(tmp_path, ram_root, args):
-    mp = tmp_path / "mp"
-    mp.mkdir()
-    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_root / "ram"), *args)
-    assert r.returncode == 2
-    line = one_line(r.stderr)
-    assert args[0] in line and "not yet supported" in line
-    assert mount_entry(str(mp)) is None
+def test_lifecycle_option_errors(tmp_path, ram_root, args, why):
+    assert_refused_before_mount(tmp_path, ram_root, args, why)
 
 
-@pytest.mark.parametrize("cmd", ["csi", "controller"])
-def test_later_issue_command(tmp_path, cmd):
-    r = mtcfs(cmd, str(tmp_path))
+def test_controller_usage_error(tmp_path):
+    r = mtcfs("controller", str(tmp_path))  # takes no arguments
     assert r.returncode == 2
     line = one_line(r.stderr)
-    assert cmd in line and "not yet supported" in line
+    assert "controller" in line and "unexpected extra argument" in line
 
 
 def test_help():

@@ -7,7 +7,10 @@ import sys
 import click
 
 from mtcfs import __version__
+from mtcfs.cli.controller import controller
+from mtcfs.cli.csi import csi
 from mtcfs.cli.demo import demo
+from mtcfs.cli.discover import discover
 from mtcfs.cli.mount import mount
 from mtcfs.cli.persist import persist
 from mtcfs.cli.prefetch import prefetch
@@ -15,10 +18,7 @@ from mtcfs.cli.status import status
 from mtcfs.cli.steps import steps
 from mtcfs.cli.umount import umount
 
-_LATER = {
-    "csi": "the CSI node plugin",
-    "controller": "the Kubernetes controller",
-}
+_LATER: dict[str, str] = {}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,6 +34,9 @@ cli.add_command(demo)
 cli.add_command(persist)
 cli.add_command(steps)
 cli.add_command(prefetch)
+cli.add_command(csi)
+cli.add_command(controller)
+cli.add_command(discover)
 
 
 def _not_yet(name: str, why: str) -> click.Command:

@@ -8,7 +8,7 @@ import sys
 import click
 
 from mtcfs.cli.common import usage_error
-from mtcfs.config import LOG_LEVELS, ConfigError, build_options
+from mtcfs.config import FSYNC_LEVELS, LOG_FORMATS, LOG_LEVELS, ConfigError, build_options
 
 
 @click.command("mount")
@@ -52,9 +52,26 @@ from mtcfs.config import LOG_LEVELS, ConfigError, build_options
                    "commit_success.txt]")
 @click.option("--tmp-patterns", metavar="PATTERN[,PATTERN...]",
               help="temporary names, never uploaded [default: *.orbax-checkpoint-tmp*,*.tmp]")
-@click.option("--keep-steps", type=int, metavar="N", help="[not yet supported]")
-@click.option("--fsync", metavar="LEVEL", help="local|replicas|gcs [not yet supported]")
-@click.option("--metrics-port", type=int, metavar="PORT", help="[not yet supported]")
+@click.option("--keep-steps", type=int, metavar="N",
+              help="keep the newest N complete steps in RAM; evict older ones once persisted "
+                   "(needs --bucket)")
+@click.option("--incomplete-grace", type=float, metavar="SECONDS",
+              help="with --keep-steps: remove an incomplete step older than the newest "
+                   "complete one after SECONDS without changes  [default: 600]")
+@click.option("--full-timeout", type=float, metavar="SECONDS",
+              help="a write into a full RAM tier waits this long for data to become "
+                   "evictable, then fails with ENOSPC  [default: 60]")
+@click.option("--fsync", type=click.Choice(FSYNC_LEVELS, case_sensitive=False),
+              help="fsync() returns once the file is in RAM (local), in K peer copies "
+                   "(replicas) or persisted (gcs)  [default: local]")
+@click.option("--fsync-timeout", type=float, metavar="SECONDS",
+              help="fsync() fails with EIO if its level is not reached in time  [default: 300]")
+@click.option("--metrics-port", type=int, metavar="PORT",
+              help="serve Prometheus metrics at /metrics and /healthz on PORT")
+@click.option("--metrics-address", metavar="ADDR",
+              help="address the metrics server binds  [default: 0.0.0.0]")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS, case_sensitive=False),
+              help="text, or json: one JSON object per line (Cloud Logging)  [default: text]")
 def mount(mountpoint: str, config_file: str | None, **cli: object) -> None:
     """Mount mtcfs at MOUNTPOINT (stays in the foreground unless --daemon)."""
     from mtcfs import daemon  # heavy imports only when mounting

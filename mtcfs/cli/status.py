@@ -84,6 +84,32 @@ def status(mountpoint: str, as_json: bool) -> None:
             t.add_row("last peer error", p["last_error"])
     else:
         t.add_row("peer tier", "none (mount with --listen and --peers)")
+    lc = st.get("lifecycle")
+    if lc:
+        fs_ = lc["fsync"]
+        t.add_row("lifecycle", (f"keep {lc['keep_steps']} steps" if st.get("durable")
+                                and lc["incomplete_grace"] is not None else "no retention")
+                  + f", full-timeout {lc['full_timeout']:.0f} s, fsync {fs_['level']}")
+        ev = ", ".join(f"{reason} {n} ({format_size(lc['evicted_bytes'].get(reason, 0))})"
+                       for reason, n in sorted(lc["evictions"].items()))
+        t.add_row("evictions", ev or "none")
+        if lc["writers_waiting"]:
+            t.add_row("WAITING", f"{lc['writers_waiting']} writes wait for RAM tier space")
+        if lc["last_full"]:
+            t.add_row("last full", f"{lc['last_full']} ({lc['last_full_age']:.0f} s ago)")
+        lags = [f"{what} {v:.2f} s" for what, v in (("close->K replicas",
+                                                    lc["last_replication_lag"]),
+                                                   ("close->persisted", lc["last_persist_lag"]))
+                if v is not None]
+        if lags:
+            t.add_row("last lag", ", ".join(lags))
+        if fs_["failures"]:
+            t.add_row("fsync", f"{fs_['failures']} fsyncs failed: level {fs_['level']} not "
+                               f"reached in {fs_['timeout']:.0f} s")
     if ram["enospc"]:
         t.add_row("ENOSPC", f"{ram['enospc']} writes refused: the RAM tier was full")
+    if ram.get("refused"):
+        t.add_row("replicas refused", f"{ram['refused']} replicas from peers refused: full")
+    if st.get("metrics_url"):
+        t.add_row("metrics", st["metrics_url"])
     Console().print(t)

@@ -20,11 +20,12 @@ def steps(mountpoint: str, as_json: bool) -> None:
     """List the checkpoint steps in the mount at MOUNTPOINT."""
     r = daemon_request(os.path.abspath(mountpoint), "steps")
     if as_json:
-        click.echo(json.dumps({k: r[k] for k in ("steps", "newest_complete_safe", "durable")},
-                              indent=2))
+        click.echo(json.dumps({k: r[k] for k in ("steps", "newest_complete_safe", "replicas",
+                                                 "keep_steps", "durable")}, indent=2))
         return
     t = Table(title=f"steps in {mountpoint}")
-    for col in ("step", "path", "complete", "files", "size", "in RAM", "persisted"):
+    for col in ("step", "path", "complete", "files", "size", "replicas", "in RAM", "persisted",
+                "safe"):
         t.add_column(col, justify="right" if col in ("files", "size") else "left")
     for s in r["steps"]:
         if s["temporary"]:
@@ -33,13 +34,27 @@ def steps(mountpoint: str, as_json: bool) -> None:
             complete = "yes"
         else:
             complete = f"no ({s['open_files']} open)" if s["open_files"] else "no (no marker)"
+        lo, hi = s["replicas_min"], s["replicas_max"]
+        if s["in_ram"]:
+            ram = "all" + (" (kept)" if s["kept"] else "")
+        elif s["files_in_ram"] == 0:
+            ram = "evicted"
+        else:
+            ram = f"{s['files_in_ram']}/{s['files']}"
         t.add_row(
             "-" if s["step"] is None else str(s["step"]), s["path"], complete, str(s["files"]),
             format_size(s["bytes"]),
-            "all" if s["in_ram"] else f"{s['files_in_ram']}/{s['files']}",
+            (str(lo) if lo == hi else f"{lo}-{hi}") + f"/{r['replicas']}" if r["replicas"]
+            else "-",
+            ram,
             "n/a" if r["durable"] is None else
             "yes" if s["persisted"] else f"{s['files_persisted']}/{s['files']}",
+            "yes" if s["safe"] else "no",
         )
     Console().print(t)
     newest = r["newest_complete_safe"]
-    click.echo(f"newest complete step safe in the durable tier: {newest or 'none'}")
+    where = " or ".join(w for w, on in ((f"{r['replicas']} peer copies", r["replicas"]),
+                                       ("the durable tier", r["durable"])) if on) or "nowhere"
+    click.echo(f"newest complete step safe (in {where}): {newest or 'none'}")
+    if r["keep_steps"]:
+        click.echo(f"retention: the newest {r['keep_steps']} complete steps stay in RAM")

@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from mtcfs.integrity import StreamingCrc, block_crcs_of_fd, format_crc
 from mtcfs.tiers.ram import RamTier, RamTierFull
 
 if TYPE_CHECKING:
+    from mtcfs.lifecycle import Lifecycle
     from mtcfs.peer.tier import PeerTier
     from mtcfs.persist.uploader import Uploader
     from mtcfs.readthrough import ReadThrough
@@ -50,12 +52,22 @@ class FsError(Exception):
         self.errno = err
 
 
+class NeedRoom(FsError):
+    """write() found the RAM tier full: the caller may wait for room
+    (`write_after_room`); to anyone else it is ENOSPC."""
+
+    def __init__(self, need: int) -> None:
+        super().__init__(errno.ENOSPC)
+        self.need = need
+
+
 @dataclass(eq=False)
 class Handle:
     node: Inode
     fd: int
     writable: bool
     append: bool
+    sync: bool = False  # opened with O_SYNC/O_DSYNC: the fsync level applies at close
 
 
 @dataclass
@@ -88,7 +100,13 @@ class Filesystem:
         # The peer tier, when configured: told about every change other hosts
         # must see (broadcast) and every seal (replication).
         self.peers: PeerTier | None = None
+        # Eviction, retention and fsync levels (set by the daemon).
+        self.lifecycle: Lifecycle | None = None
+        # Drops the kernel's cached name (set by the daemon once the mount is live):
+        # for removals the daemon makes itself (retention).
+        self.invalidate_entry: Callable[[Inode, bytes], None] = lambda parent, name: None
         self.live = False  # the kernel has completed INIT (set by the daemon)
+        self.metrics_url: str | None = None
         self.last_write = 0.0  # time.monotonic() of the last write(): replication yields to it
         self._recover()
 
@@ -433,6 +451,8 @@ class Filesystem:
         elif not node.has_data:
             if self.readthrough is None:
                 raise FsError(errno.EIO)
+            if self.lifecycle is not None:
+                self.lifecycle.space.make_room_now(node.size)
             # Start fetching now; reads wait for the ranges they need.
             self.readthrough.start(node)
         fh = self._open_handle(node, flags)
@@ -449,7 +469,8 @@ class Filesystem:
         fd = self.ram.acquire(node.ino)
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND))
+        self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND),
+                                  bool(flags & (os.O_SYNC | os.O_DSYNC)))
         node.opens += 1
         if writable:
             node.writers += 1
@@ -484,6 +505,9 @@ class Filesystem:
         try:
             n = self.ram.write(node.ino, h.fd, off, buf, node.size)
         except RamTierFull as e:
+            if self.lifecycle is not None:
+                raise NeedRoom(e.need) from None
+            self.ram.enospc_count += 1
             log.error("ENOSPC writing %s: %s (--ram-size %d)", self.ns.path_of(node), e.strerror,
                       self.ram.capacity)
             raise FsError(errno.ENOSPC) from None
@@ -500,6 +524,22 @@ class Filesystem:
         self.stats.bytes_written += n
         self.last_write = time.monotonic()
         return n
+
+    async def write_after_room(self, fh: int, off: int, buf: bytes, need: int) -> int:
+        """A write that found the RAM tier full: evict, or wait (bounded) for data
+        to become evictable, then write; ENOSPC if no room came."""
+        assert self.lifecycle is not None
+        h = self.handle(fh)
+        while True:
+            try:
+                await self.lifecycle.space.make_room(need, self.ns.path_of(h.node))
+            except OSError:
+                self.ram.enospc_count += 1
+                raise FsError(errno.ENOSPC) from None
+            try:
+                return self.write(fh, off, buf)
+            except NeedRoom as e:  # someone else took the room meanwhile
+                need = e.need
 
     async def _fetched(self, node: Inode, fd: int, off: int, size: int) -> bytes:
         """[off, off+size) of a file being read through, once verified."""
@@ -550,12 +590,32 @@ class Filesystem:
         h = self.handle(fh)
         if h.writable and h.node.writers <= 1 and h.node.dirty:
             await self.seal(h.node)
+        if h.sync and h.writable and not h.node.dirty:
+            await self._durable(h.node)
 
     async def fsync(self, fh: int) -> None:
         h = self.handle(fh)
+        level = self.lifecycle.durability.level if self.lifecycle is not None else "local"
+        if level == "local" or h.sync:
+            # O_SYNC: the kernel sends an fsync after every write(); the level
+            # is paid once, at close (flush above).
+            if h.node.dirty:
+                with self.ns.store.transaction():
+                    self.ns.persist(h.node)
+            return
         if h.node.dirty:
-            with self.ns.store.transaction():
-                self.ns.persist(h.node)
+            await self.seal(h.node)  # a version to replicate/upload: what was written so far
+            if h.node.dirty:
+                return  # written during the seal's pass: the next fsync/close seals it
+        await self._durable(h.node)
+
+    async def _durable(self, node: Inode) -> None:
+        if self.lifecycle is None:
+            return
+        try:
+            await self.lifecycle.durability.wait(node)
+        except OSError:
+            raise FsError(errno.EIO) from None
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
@@ -600,10 +660,13 @@ class Filesystem:
         node.dirty = False
         node.holders = [self.node_id]
         node.writer = self.node_id
+        node.cached = False
         self.ram.reconcile(node.ino)
         with self.ns.store.transaction():
             self.ns.persist(node)
         self.stats.seals += 1
+        if self.lifecycle is not None:
+            self.lifecycle.on_sealed(node)
         if self.uploader is not None:
             self.uploader.on_sealed(node)
         if self.peers is not None:
@@ -696,6 +759,7 @@ class Filesystem:
                 "used": self.ram.used,
                 "free": max(0, self.ram.capacity - self.ram.used),
                 "enospc": self.ram.enospc_count,
+                "refused": self.ram.refused_incoming,
             },
             "files": len(files),
             "directories": sum(1 for i in self.ns.inodes.values() if i.is_dir),
@@ -705,4 +769,5 @@ class Filesystem:
             "bytes_read": self.stats.bytes_read,
             "seals": self.stats.seals,
             "seal_full_passes": self.stats.seal_full_passes,
+            "lifecycle": self.lifecycle.status() if self.lifecycle is not None else None,
         }

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from mtcfs.fs.filesystem import Filesystem, FsError
+from mtcfs.fs.filesystem import Filesystem, FsError, NeedRoom
 from mtcfs.fs.namespace import Inode
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,11 @@ class FuseOperations(pyfuse3.Operations):
         # The hot path: no decorator, one call.
         try:
             return self.fs.write(fh, off, buf)
+        except NeedRoom as e:
+            try:
+                return await self.fs.write_after_room(fh, off, buf, e.need)
+            except FsError as e2:
+                raise pyfuse3.FUSEError(e2.errno) from None
         except FsError as e:
             raise pyfuse3.FUSEError(e.errno) from None
 

@@ -63,6 +63,7 @@ class Inode:
     opens: int = 0
     writers: int = 0
     dirty: bool = False
+    cached: bool = False  # the data here was read through (a cache copy, not a replica)
     wseq: int = 0  # bumped by every write/truncate, to detect races with a seal
 
     @property

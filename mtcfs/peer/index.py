@@ -114,6 +114,14 @@ class ReplicatedIndex:
         if self.visible(node):
             self.outbox([self.entry_of(node)])
 
+    def copy_dropped(self, node: Inode, holder: str) -> None:
+        """`holder` evicted its copy of this version: holders merge as a set, so the
+        removal travels as its own list."""
+        if self.visible(node):
+            e = self.entry_of(node)
+            e.dropped.append(holder)
+            self.outbox([e])
+
     @staticmethod
     def visible(node: Inode) -> bool:
         """Other hosts see directories, symlinks and sealed files (not ones being written)."""
@@ -301,10 +309,13 @@ class ReplicatedIndex:
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
         """Same version: holders merge as a set, and a persisted flag is taken."""
         new = [h for h in e.holders if h not in node.holders]
+        gone = [h for h in e.dropped if h in node.holders and h not in e.holders
+                and h != self.node_id]
         persisted = (node.persisted_version < e.persisted_version == node.version)
-        if not new and not persisted:
+        if not new and not persisted and not gone:
             return False
         node.holders.extend(new)
+        node.holders[:] = [h for h in node.holders if h not in gone]
         if persisted:
             node.persisted_version, node.generation = e.persisted_version, e.generation
         self.ns.persist(node)

@@ -121,6 +121,12 @@ class PeerTier(Hooks):
         self.removed_hook: Callable[[Inode], None] | None = None
         self.attrs_hook: Callable[[int], None] | None = None  # blocking: run in a thread
         self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
+        # The lifecycle sets these: a file gained a peer copy (fsync waiters, lag
+        # metrics); a file retention evicted everywhere needs no more replicas;
+        # room for an incoming replica may be made by evicting safe data.
+        self.on_copies: Callable[[Inode], None] = lambda node: None
+        self.retired: Callable[[Inode], bool] = lambda node: False
+        self.make_room: Callable[[int], bool] = lambda need: False
         # When the trainer last wrote (the filesystem's clock): replication yields
         # to writes, here and, through shared memory, in the push workers.
         self.last_write: Callable[[], float] = lambda: 0.0
@@ -300,25 +306,30 @@ class PeerTier(Hooks):
         # Only copies on live peers count: a dead holder's copy is made again elsewhere.
         return (self.replicas > 0 and node.linked and node.state == CLOSED and node.has_data
                 and not node.dirty and node.writer == self.node_id
+                and not (node.persisted and self.retired(node))
                 and len([h for h in node.holders if h != self.node_id
                          and self.members.by_node(h) is not None]) < self.replicas)
 
-    def _requeue_unreplicated(self) -> None:
+    def _requeue_unreplicated(self, wake: bool = True) -> None:
         for node in self.ns.files():
             if self._needs_copies(node) and node.ino not in self.replicating:
                 self.repl_queue[node.ino] = node
-        if self.repl_queue:
+        if self.repl_queue and wake:
             self._wake_repl.set()
 
     async def _replication_worker(self) -> None:
         while True:
             while not self.repl_queue:
+                woken = False
                 with trio.move_on_after(RETRY_SHORT):
                     await self._wake_repl.wait()
+                    woken = True
                 self._wake_repl = trio.Event()
-                if not self.repl_queue:
-                    # Files a peer refused for now (full, busy, not caught up yet).
-                    self._requeue_unreplicated()
+                if not woken and not self.repl_queue:
+                    # Files a peer refused for now (full, busy, not caught up yet),
+                    # retried every RETRY_SHORT: without waking the other worker,
+                    # which would find the same files and spin.
+                    self._requeue_unreplicated(wake=False)
             ino, node = next(iter(self.repl_queue.items()))
             del self.repl_queue[ino]
             if not self._needs_copies(node) or ino in self.replicating:
@@ -353,6 +364,7 @@ class PeerTier(Hooks):
                     node.holders.append(target.node_id)
                 self.ns.persist(node)
                 self.index.holders_changed(node)
+                self.on_copies(node)
 
     async def _drained(self, p: Peer) -> None:
         """Wait (bounded) until the changes queued for p have reached it: a replica
@@ -450,6 +462,8 @@ class PeerTier(Hooks):
             raise Refused(grpc.StatusCode.ALREADY_EXISTS, "this node already holds it")
         if node is not None and node.linked and node.dirty:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "being rewritten here")
+        if self.ram.capacity - self.ram.used < e.size:
+            self.make_room(e.size)  # persisted data and caches only: see lifecycle.space
         return self.ram.begin_incoming(e.size)
 
     def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
@@ -465,6 +479,7 @@ class PeerTier(Hooks):
         if not node.has_data:
             self.ram.install_incoming(key, tmp, node.ino)
             node.has_data = True
+        node.cached = False  # a replica now, announced below
         if self.node_id not in node.holders:
             node.holders.append(self.node_id)
         with self.ns.store.transaction():

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 class RamTierFull(OSError):
     def __init__(self, need: int, free: int) -> None:
         super().__init__(errno.ENOSPC, f"RAM tier full: need {need} bytes, {free} free")
+        self.need = need
 
 
 class RamTier:
@@ -42,7 +43,8 @@ class RamTier:
         self.used = 0
         self._charged: dict[int, int] = {}
         self._fds: dict[int, list[int]] = {}  # ino -> [fd, refcount]
-        self.enospc_count = 0
+        self.enospc_count = 0  # writes refused (counted by the filesystem)
+        self.refused_incoming = 0  # replicas from peers refused for lack of space
 
     # -- files -----------------------------------------------------------------
 
@@ -131,7 +133,6 @@ class RamTier:
         if grow > 0:
             free = self.capacity - self.used
             if grow > free:
-                self.enospc_count += 1
                 raise RamTierFull(grow, free)
             self.used += grow
             self._charged[ino] = self._charged.get(ino, 0) + grow
@@ -174,7 +175,7 @@ class RamTier:
         Raises RamTierFull when the budget cannot hold it."""
         free = self.capacity - self.used
         if size > free:
-            self.enospc_count += 1
+            self.refused_incoming += 1
             raise RamTierFull(size, free)
         self._incoming_seq += 1
         key = -self._incoming_seq  # charges of incoming files use negative keys

@@ -1,0 +1,47 @@
+"""The CSI Identity service: who we are, and whether the node daemon is live."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf import wrappers_pb2
+
+from mtcfs import __version__
+from mtcfs.csi import DRIVER_NAME
+from mtcfs.csi.node import Publisher
+from mtcfs.csi.rpc import handler
+from mtcfs.csi.v1 import csi_pb2, csi_pb2_grpc
+
+log = logging.getLogger("mtcfs.csi")
+
+
+class IdentityService(csi_pb2_grpc.IdentityServicer):
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+        self._last_ready: bool | None = None
+
+    @handler()
+    def GetPluginInfo(self, request: csi_pb2.GetPluginInfoRequest,
+                      context: grpc.ServicerContext) -> csi_pb2.GetPluginInfoResponse:
+        return csi_pb2.GetPluginInfoResponse(name=DRIVER_NAME, vendor_version=__version__)
+
+    @handler()
+    def GetPluginCapabilities(self, request: csi_pb2.GetPluginCapabilitiesRequest,
+                              context: grpc.ServicerContext
+                              ) -> csi_pb2.GetPluginCapabilitiesResponse:
+        # Node service only: no controller, no topology constraints.
+        return csi_pb2.GetPluginCapabilitiesResponse()
+
+    @handler(level=logging.DEBUG)  # the liveness probe sidecar calls it every few seconds
+    def Probe(self, request: csi_pb2.ProbeRequest,
+              context: grpc.ServicerContext) -> csi_pb2.ProbeResponse:
+        # Ready = the node daemon's mount answers; publishing needs it.
+        ready, why = self.publisher.live()
+        if ready != self._last_ready:
+            if ready:
+                log.info("ready: the node daemon at %s is live", self.publisher.mount_root)
+            else:
+                log.warning("not ready: %s", why)
+            self._last_ready = ready
+        return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=ready))

@@ -1,0 +1,136 @@
+"""Retention (--keep-steps N): the newest N complete steps stay in RAM; older
+steps leave RAM on every host once persisted (metadata stays, reads go to the
+bucket); incomplete steps older than the newest complete one are removed
+after a grace period.
+
+Every host runs this on its own copy of the replicated index, so each drops
+its own copies (own data, replicas, caches) of the same steps without any
+coordination. A copy leaves only once the file is persisted: that is the one
+copy retention relies on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from mtcfs.fs.namespace import CLOSED, ROOT
+from mtcfs.lifecycle.space import SpaceManager, step_view
+from mtcfs.persist.steps import dirs_under, files_under, step_number
+
+if TYPE_CHECKING:
+    from mtcfs.fs.filesystem import Filesystem
+    from mtcfs.fs.namespace import Inode
+
+log = logging.getLogger(__name__)
+
+# A pass runs after seals/persists/evictions (kicked) and at least this often
+# (the grace period of incomplete steps is a matter of time passing).
+INTERVAL = 10.0
+
+
+class Retention:
+    def __init__(self, fs: Filesystem, space: SpaceManager, keep: int, grace: float) -> None:
+        self.fs = fs
+        self.space = space
+        self.keep = keep
+        self.grace = grace
+        self.removed_steps: list[str] = []
+        self.retired_dirs: set[int] = set()  # step directories retention evicted
+        self._wake = trio.Event()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            with trio.move_on_after(INTERVAL):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            try:
+                self.pass_once()
+            except Exception:  # a bug here must not take the mount down
+                log.exception("retention pass failed")
+            await trio.sleep(0.2)  # coalesce bursts of seals/persists
+
+    def pass_once(self) -> int:
+        """Evict what retention no longer keeps; returns the bytes given back."""
+        fs, space = self.fs, self.space
+        view = step_view(fs, space.rules, self.keep)
+        if not view.complete:
+            return 0
+        kept = [d for d in view.complete if d.ino in view.kept]
+        oldest_kept = min(step_number(d.name) or -1 for d in kept)
+        freed = 0
+        retired = set()
+        for d in view.complete:
+            if d.ino in view.kept or (step_number(d.name) or -1) >= oldest_kept:
+                continue
+            retired.add(d.ino)
+            for f in files_under(fs.ns, d):
+                if f.persisted and space.copies.resident(f) and not space.busy(f):
+                    freed += space.evict(f, "retention")
+        self.retired_dirs = retired
+        newest = step_number(view.complete[-1].name)
+        if newest is not None:
+            self._drop_stale_incomplete(newest)
+        return freed
+
+    def retired(self, node: Inode) -> bool:
+        """The node is in a step retention no longer keeps in RAM."""
+        ns = self.fs.ns
+        if not self.retired_dirs or not node.linked:
+            return False
+        while node.ino != ROOT:
+            if node.parent in self.retired_dirs:
+                return True
+            node = ns.inodes[node.parent]
+        return False
+
+    def _drop_stale_incomplete(self, newest: int) -> None:
+        """Remove incomplete steps numbered below the newest complete one: a save
+        that was abandoned (the run has moved past it), once untouched for the
+        grace period and with nothing open in it."""
+        fs, rules = self.fs, self.space.rules
+        root = fs.ns.inodes[ROOT]
+        now = time.time_ns()
+        for ino in list((root.children or {}).values()):
+            d = fs.ns.get(ino)
+            if d is None or not d.is_dir or rules.is_committed_step(fs.ns, d):
+                continue
+            n = step_number(d.name)
+            if n is None or n >= newest:
+                continue
+            files = list(files_under(fs.ns, d))
+            if not files and not d.children:
+                continue
+            if any(f.opens or f.state != CLOSED or f.dirty for f in files):
+                continue
+            newest_change = max([d.mtime_ns, *(f.mtime_ns for f in files),
+                                 *(x.mtime_ns for x in dirs_under(fs.ns, d))])
+            if (now - newest_change) / 1e9 < self.grace:
+                continue
+            path = fs.ns.path_of(d)
+            size = sum(f.size for f in files)
+            self._remove_tree(d)
+            self.removed_steps.append(path)
+            log.warning("removed incomplete step %s (%d files, %d bytes): older than the "
+                        "newest complete step %d and unchanged for %.0f s", path, len(files),
+                        size, newest, self.grace)
+
+    def _remove_tree(self, d: Inode) -> None:
+        """rm -r through the filesystem, so uploads, peers and the kernel hear of it."""
+        fs = self.fs
+        for child_name, child_ino in sorted((d.children or {}).items()):
+            child = fs.ns.inodes[child_ino]
+            if child.is_dir:
+                self._remove_tree(child)
+            else:
+                fs.unlink(d.ino, child_name)
+                fs.invalidate_entry(d, child_name)
+        parent = fs.ns.inodes[d.parent]
+        fs.rmdir(parent.ino, d.name)
+        fs.invalidate_entry(parent, d.name)

@@ -1,0 +1,273 @@
+"""Space in the RAM tier: evict what is safe elsewhere, in a sensible order,
+and make writers wait (bounded) when nothing is.
+
+Victims, first to last (each group oldest first):
+
+  0. copies of files in steps older than the kept ones (--keep-steps, else the
+     newest complete step is kept);
+  1. cache copies (read through, never announced);
+  2. replicas held for other hosts (persisted ones only, see copies.py);
+  3. this host's own data outside the kept steps;
+  4. anything else that is safe, the kept steps last.
+
+Never a copy that is the only one (copies.py), never an open file, never a
+file being uploaded, replicated or fetched.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from mtcfs.config import format_size
+from mtcfs.lifecycle.copies import CACHE, OWN, REPLICA, Copies
+from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
+
+if TYPE_CHECKING:
+    from mtcfs.fs.filesystem import Filesystem
+    from mtcfs.fs.namespace import Inode
+
+log = logging.getLogger(__name__)
+
+# Evict a little more than asked, so the next writes do not each scan for victims.
+HEADROOM_FRACTION = 0.02
+HEADROOM_MAX = 256 << 20
+# A waiting writer re-checks at least this often (uploads and replicas also wake it).
+RECHECK = 0.5
+
+
+class NoSpace(OSError):
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.ENOSPC, msg)
+
+
+@dataclass
+class Stats:
+    evictions: dict[str, int] = field(default_factory=dict)  # by reason
+    evicted_bytes: dict[str, int] = field(default_factory=dict)
+    waits: int = 0
+    wait_seconds: float = 0.0
+    enospc: int = 0
+    last_full: str = ""  # why the last write was refused, for `mtcfs status`
+    last_full_time: float = 0.0
+
+
+@dataclass
+class StepView:
+    """The steps as retention and eviction see them, computed in one pass."""
+
+    kept: set[int]  # inos of the step directories kept in RAM
+    order: dict[int, tuple[int, int]]  # file ino -> (step rank, 0) oldest first
+    complete: list[Inode]  # complete steps, oldest first
+
+
+def step_view(fs: Filesystem, rules: StepRules, keep: int) -> StepView:
+    ns = fs.ns
+    steps = all_steps(ns, rules)
+    complete = sorted((d for d in steps if rules.is_committed_step(ns, d)),
+                      key=lambda d: (step_number(d.name) or -1, d.mtime_ns))
+    kept = {d.ino for d in complete[-keep:]} if keep else set()
+    ranked = sorted(steps, key=lambda d: (step_number(d.name) or -1, d.mtime_ns))
+    order: dict[int, tuple[int, int]] = {}
+    for rank, d in enumerate(ranked):
+        for f in files_under(ns, d):
+            order.setdefault(f.ino, (rank, 1 if d.ino in kept else 0))
+    return StepView(kept, order, complete)
+
+
+class SpaceManager:
+    def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
+                 keep_steps: int | None, full_timeout: float) -> None:
+        self.fs = fs
+        self.copies = copies
+        self.rules = rules
+        self.keep = keep_steps or 1
+        self.full_timeout = full_timeout
+        self.stats = Stats()
+        self.waiting = 0  # writers waiting for space now
+        self._lot = trio.lowlevel.ParkingLot()
+        # Set by the daemon: a way to tell whether data can still become safe
+        # (uploads or replication pending), so a hopeless wait ends at once.
+        self.can_become_safe: Callable[[], bool] = lambda: False
+        self.on_evicted: Callable[[Inode, str, int], None] = lambda node, reason, n: None
+
+    # -- notifications -----------------------------------------------------------------
+
+    def changed(self) -> None:
+        """Something may have become evictable (persisted, replicated) or freed."""
+        self._lot.unpark_all()
+
+    # -- choosing ------------------------------------------------------------------------
+
+    def busy(self, node: Inode) -> bool:
+        """Copies that are being read or written by someone right now."""
+        fs = self.fs
+        if node.opens:
+            return True
+        if fs.uploader is not None and node.ino in fs.uploader.inflight:
+            return True
+        if fs.peers is not None and node.ino in fs.peers.replicating:
+            return True
+        f = fs.readthrough.fetches.get(node.ino) if fs.readthrough is not None else None
+        return f is not None and not (f.done or f.error)
+
+    def victims(self, view: StepView | None = None) -> list[tuple[tuple, Inode, str]]:
+        """Droppable copies in eviction order: (sort key, node, reason)."""
+        view = view or step_view(self.fs, self.rules, self.keep)
+        out = []
+        for node in self.fs.ns.files():
+            if not self.copies.droppable(node) or self.busy(node):
+                continue
+            kind = self.copies.kind(node)
+            age = node.mtime_ns
+            in_step = view.order.get(node.ino)
+            if in_step is not None and in_step[1] == 0 and in_step[0] < _newest(view):
+                key: tuple = (0, in_step[0], age)
+                reason = "old-step"
+            elif kind == CACHE:
+                key, reason = (1, node.atime_ns, age), "cache"
+            elif kind == REPLICA:
+                key, reason = (2, age), "replica"
+            elif kind == OWN and (in_step is None or in_step[1] == 0):
+                key, reason = (3, age), "own"
+            else:
+                key, reason = (4, in_step[0] if in_step else 0, age), "kept-step"
+            out.append((key, node, reason))
+        out.sort(key=lambda t: t[0])
+        return out
+
+    # -- evicting ------------------------------------------------------------------------
+
+    def evict(self, node: Inode, reason: str) -> int:
+        """Drop this host's copy (metadata stays; reads go to a peer or the bucket).
+        Returns the bytes given back to the RAM tier."""
+        fs = self.fs
+        before = fs.ram.charged(node.ino)
+        path = fs.ns.path_of(node) if node.linked else node.guid
+        fs.ram.remove(node.ino)
+        node.has_data = False
+        node.cached = False
+        announced = self.copies.node_id in node.holders
+        if announced:
+            node.holders.remove(self.copies.node_id)
+        if fs.readthrough is not None:
+            fs.readthrough.fetches.pop(node.ino, None)
+        with fs.ns.store.transaction():
+            fs.ns.persist(node)
+        if announced and fs.peers is not None:
+            fs.peers.index.copy_dropped(node, self.copies.node_id)
+        self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + 1
+        self.stats.evicted_bytes[reason] = self.stats.evicted_bytes.get(reason, 0) + before
+        self.on_evicted(node, reason, before)
+        log.info("evicted %s from RAM (%s, %s; %s)", path, reason, format_size(before),
+                 "persisted" if node.persisted else
+                 f"{self.copies.elsewhere(node)} live peer copies")
+        return before
+
+    def evict_all(self, nodes: Iterable[Inode], reason: str) -> int:
+        return sum(self.evict(n, reason) for n in nodes)
+
+    def make_room_now(self, need: int, persisted_only: bool = False) -> bool:
+        """Evict until `need` bytes (plus a little headroom) are free. No waiting.
+        `persisted_only` (room for a peer's replica): never this host's own data
+        that only K replicas keep safe, nor another replica."""
+        ram = self.fs.ram
+        if ram.capacity - ram.used >= need:
+            return True
+        goal = need + min(HEADROOM_MAX, int(ram.capacity * HEADROOM_FRACTION))
+        for _key, node, reason in self.victims():
+            if persisted_only and not (node.persisted or reason == "cache"):
+                continue
+            self.evict(node, reason)
+            if ram.capacity - ram.used >= goal:
+                break
+        return ram.capacity - ram.used >= need
+
+    async def make_room(self, need: int, what: str) -> None:
+        """For a writer: make `need` bytes free, waiting up to --full-timeout for
+        data to become safe (uploads, replicas). Raises NoSpace."""
+        if self.make_room_now(need):
+            return
+        ram = self.fs.ram
+        t0 = time.monotonic()
+        deadline = t0 + self.full_timeout
+        self.waiting += 1
+        self.stats.waits += 1
+        logged = False
+        try:
+            while True:
+                if not self.can_become_safe() or time.monotonic() >= deadline:
+                    break
+                if not logged:
+                    log.warning("RAM tier full writing %s: %s needed, %s free, nothing safe to "
+                                "evict; waiting up to %.0f s for uploads/replication",
+                                what, format_size(need), format_size(ram.capacity - ram.used),
+                                self.full_timeout)
+                    logged = True
+                with trio.move_on_after(min(RECHECK, max(0.0, deadline - time.monotonic()))):
+                    await self._lot.park()
+                if self.make_room_now(need):
+                    if logged:
+                        log.info("space for %s after waiting %.1f s", what,
+                                 time.monotonic() - t0)
+                    return
+        finally:
+            self.waiting -= 1
+            self.stats.wait_seconds += time.monotonic() - t0
+        self.stats.enospc += 1
+        why = self.why_full(need)
+        self.stats.last_full, self.stats.last_full_time = why, time.time()
+        log.error("ENOSPC writing %s: %s", what, why)
+        raise NoSpace(why)
+
+    def why_full(self, need: int) -> str:
+        """One line saying what holds the RAM tier and why none of it may go."""
+        ram = self.fs.ram
+        held: dict[str, list[int]] = {}
+        for node in self.fs.ns.files():
+            if node.has_data and node.size:
+                if node.opens or node.dirty:
+                    why = "open"
+                elif node.persisted:
+                    why = "busy"
+                elif self.copies.kind(node) == REPLICA:
+                    why = "replicas not yet persisted"
+                else:
+                    why = "not yet persisted" + (
+                        f" nor in {self.copies.replicas} peer copies"
+                        if self.copies.replicas else "")
+                c = held.setdefault(why, [0, 0])
+                c[0] += 1
+                c[1] += ram.charged(node.ino)
+        parts = [f"{n} files / {format_size(b)} {why}"
+                 for why, (n, b) in sorted(held.items(), key=lambda kv: -kv[1][1])]
+        return (f"RAM tier full ({format_size(ram.used)} of {format_size(ram.capacity)} used, "
+                f"{format_size(need)} needed): " + ("; ".join(parts) or "nothing held")
+                + f"; waited {self.full_timeout:.0f} s")
+
+    def status(self) -> dict[str, object]:
+        s = self.stats
+        return {
+            "keep_steps": self.keep if self.keep else None,
+            "full_timeout": self.full_timeout,
+            "evictions": dict(s.evictions),
+            "evicted_bytes": dict(s.evicted_bytes),
+            "writers_waiting": self.waiting,
+            "waits": s.waits,
+            "wait_seconds": round(s.wait_seconds, 3),
+            "enospc": s.enospc,
+            "last_full": s.last_full or None,
+            "last_full_age": round(time.time() - s.last_full_time, 1) if s.last_full else None,
+        }
+
+
+def _newest(view: StepView) -> int:
+    """Rank of the oldest kept step: steps ranked below it are 'older'."""
+    kept_ranks = [r for r, k in view.order.values() if k]
+    return min(kept_ranks) if kept_ranks else 1 << 30
