@@ -22,8 +22,10 @@ Measured, per run:
 - at the end, after every upload: each step read back through host a (old
   steps were evicted, so they come back from GCS or b) and every object's
   crc32c in the bucket, against the crcs the trainer computed; the newest step
-  also read on host b. A step is lost if any of its files is missing or
-  differs anywhere, or its save failed;
+  also read on host b. A step is lost if any of its files cannot be read back
+  on a or differs, or its save failed; it is "not complete in GCS" if any of
+  its objects is missing or differs once the uploads have stopped (every file
+  persisted, or nothing persisted for 30 s and no upload in flight);
 - failed writes (any OSError in the trainer), and from /metrics on both hosts:
   mtcfs_evictions_total, mtcfs_enospc_total, mtcfs_space_wait_seconds_total,
   the lag histograms' counts and sums.
@@ -88,6 +90,7 @@ POLL = 0.02
 DETAILS = BENCH_DIR / "results" / "lifecycle.json"
 LOGS = BENCH_DIR / "results" / "lifecycle-logs"
 BURST_PER_GIB = 2.0  # burst run: one step every 2 s per GiB of step
+STALL = 30  # seconds without a file getting replicated or persisted: stop waiting
 
 
 def status(m: Mount) -> dict[str, Any]:
@@ -134,10 +137,12 @@ class Poller(threading.Thread):
         self.lock = threading.Lock()
         self.stop_flag = threading.Event()
         self.errors: list[str] = []
+        self.progress = time.monotonic()  # when a file last became replicated or persisted
 
     def add(self, s: Shard) -> None:
         with self.lock:
             self.pending.append(s)
+            self.progress = time.monotonic()
 
     def outstanding(self) -> int:
         with self.lock:
@@ -155,9 +160,9 @@ class Poller(threading.Thread):
                     continue
                 now = time.monotonic()
                 if s.replicated is None and self.peer_id in st.get("holders", []):
-                    s.replicated = now
+                    s.replicated = self.progress = now
                 if s.persisted is None and st.get("persisted"):
-                    s.persisted = now
+                    s.persisted = self.progress = now
                 if s.replicated is None and s.persisted is not None and "ram" not in st["tiers"]:
                     # Persisted and evicted before its replica was made: GCS holds
                     # it, no replica will follow.
@@ -466,8 +471,18 @@ def training_run(
         # Every file replicated and persisted (the poller sees it), then the queues empty.
         deadline = time.monotonic() + 120 + steps * size / (20 * MiB)
         while poller.outstanding():
-            if time.monotonic() > deadline:
-                raise BenchError(f"run {name}: {poller.outstanding()} files never got safe")
+            stalled = time.monotonic() - poller.progress > STALL and not uploading(a)
+            if stalled or time.monotonic() > deadline:
+                with poller.lock:
+                    unsafe = [s.rel for s in poller.pending]
+                out.checks["never_safe"] = unsafe
+                why = f"no progress for {STALL} s" if stalled else "timed out"
+                err.print(
+                    f"[red]  run {name}: {len(unsafe)} files not replicated and persisted "
+                    f"({why}): "
+                    f"{', '.join(unsafe[:8])}[/]"
+                )
+                break
             time.sleep(0.1)
         out.extra["all_safe_after_s"] = time.monotonic() - t_run
         poller.stop_flag.set()
@@ -501,6 +516,11 @@ def training_run(
     return out
 
 
+def uploading(m: Mount) -> bool:
+    d = status(m).get("durable") or {}
+    return bool(d.get("inflight_files"))
+
+
 def verify(out: Outcome, gcs: Gcs, a: Mount, b: Mount) -> None:
     """Every step back through host a (oldest first: evicted, read through) and in
     the bucket, against the trainer's crcs; the newest step also on host b."""
@@ -517,6 +537,7 @@ def verify(out: Outcome, gcs: Gcs, a: Mount, b: Mount) -> None:
     files = {s.rel: s for s in out.shards + out.markers}
     bad: dict[str, str] = {}
     lost: set[int] = {r["step"] for r in out.records if r["errors"]}
+    not_in_gcs: set[int] = set(lost)
     rt0 = _fetched(a)
     t0 = time.monotonic()
     nbytes = 0
@@ -532,14 +553,15 @@ def verify(out: Outcome, gcs: Gcs, a: Mount, b: Mount) -> None:
                     )
             except OSError as e:
                 bad[f"a:{s.rel}"] = str(e)
+            if f"a:{s.rel}" in bad:
+                lost.add(r["step"])
             blob = gcs.bucket.get_blob(f"lc-{out.name}/{s.rel}")
             want = _b64crc(s.crc)
             if blob is None or blob.crc32c != want or blob.size != s.size:
                 bad[f"gcs:{s.rel}"] = (
                     "missing" if blob is None else f"size {blob.size} crc32c {blob.crc32c}"
                 )
-            if any(k.endswith(s.rel) for k in bad):
-                lost.add(r["step"])
+                not_in_gcs.add(r["step"])
     read_s = time.monotonic() - t0
     newest = max((r for r in out.records if not r["errors"]), key=lambda r: r["step"], default=None)
     if newest is not None:
@@ -552,9 +574,10 @@ def verify(out: Outcome, gcs: Gcs, a: Mount, b: Mount) -> None:
                 bad[f"b:{s.rel}"] = str(e)
             if f"b:{s.rel}" in bad:
                 lost.add(newest["step"])
-    out.checks = {
+    out.checks |= {
         "lost_steps": len(lost),
         "lost": sorted(lost),
+        "steps_not_in_gcs": sorted(not_in_gcs),
         "bad_files": bad,
         "read_back_mib_s": mib_s(nbytes, read_s) if read_s > 0 else None,
         "read_back_bytes": nbytes,
@@ -731,6 +754,16 @@ def outcome_rows(o: Outcome, label: str) -> list[Row]:
             max_value=1,
             note=f"every file read back on a ({fmt(rb) if rb else '?'} MiB/s, fetched "
             f"{o.checks.get('fetched_by_source')}) and checked in GCS by crc32c",
+        ),
+        Row(
+            g,
+            f"{label}: steps not complete in GCS",
+            "",
+            [float(len(o.checks.get("steps_not_in_gcs", range(o.steps))))],
+            max_value=1,
+            note=f"steps {o.checks.get('steps_not_in_gcs')}; files never persisted: "
+            f"{len(o.checks.get('never_safe', []))} "
+            f"{', '.join(o.checks.get('never_safe', [])[:6])}",
         ),
         Row(g, f"{label}: failed writes", "", [float(o.failed_writes)], max_value=1),
     ]

@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 import durable
+import fsync
 import k8s
 import lifecycle
 import peers
@@ -72,6 +73,12 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "training loop: --steps checkpoint steps of --size on 2 peered hosts (3 x --size RAM, "
         "K=1, --persist step, --keep-steps) over fake-gcs-server, vs tmpfs and "
         "google-cloud-storage",
+    ),
+    "fsync": (
+        fsync.group,
+        "cost of each --fsync level (local, replicas, gcs) on 2 peered hosts over "
+        "fake-gcs-server (--persist manual): 1 big file, 100 small files, a DCP-like step, "
+        "vs tmpfs",
     ),
     "csi": (
         csi.group,

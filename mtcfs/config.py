@@ -185,6 +185,7 @@ def build_options(mountpoint: str, cli: dict[str, object], config_file: str | No
 
 
 def _validate(opts: MountOptions) -> None:
+    explicit_ram_size = bool(opts.ram_size)
     opts.ram_size = parse_size(opts.ram_size or "4GiB")
     _validate_durable(opts)
     _validate_peers(opts)
@@ -214,6 +215,17 @@ def _validate(opts: MountOptions) -> None:
             raise ConfigError(f"FUSE option {o!r} is not allowed: mtcfs mounts are nosuid,nodev")
     check_mountpoint(opts.mountpoint)
     check_ram_dir(opts.ram_dir, opts.mountpoint)
+    st = os.statvfs(opts.ram_dir)
+    if not explicit_ram_size:
+        # The default must fit small /dev/shm's (containers): at most half of it.
+        opts.ram_size = min(opts.ram_size, st.f_blocks * st.f_frsize // 2)
+    if opts.ram_size > st.f_blocks * st.f_frsize:
+        # The budget would be charged for space tmpfs cannot give: writes (and the
+        # metadata store) would hit ENOSPC before eviction could help.
+        raise ConfigError(
+            f"--ram-size {format_size(opts.ram_size)} is larger than the filesystem holding "
+            f"the RAM dir {opts.ram_dir} ({format_size(st.f_blocks * st.f_frsize)}): lower it "
+            "or give a larger --ram-dir (e.g. remount /dev/shm with size=...)")
 
 
 def _validate_durable(opts: MountOptions) -> None:

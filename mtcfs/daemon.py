@@ -41,9 +41,8 @@ def setup_logging(level: str, stream: Any = None, fmt: str = "text") -> None:
         from pythonjsonlogger.json import JsonFormatter
 
         handler.setFormatter(JsonFormatter(
-            "%(asctime)s %(levelname)s %(name)s %(message)s",
-            rename_fields={"levelname": "severity", "asctime": "time", "name": "logger"},
-            datefmt="%Y-%m-%dT%H:%M:%S%z"))
+            "%(levelname)s %(name)s %(message)s", timestamp="time",
+            rename_fields={"levelname": "severity", "name": "logger"}))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -298,6 +297,7 @@ def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
         fs.uploader.on_persisted = persisted
     if fs.peers is not None:
         fs.peers.on_copies = lc.on_copies
+        fs.peers.urgent = lambda node: node.ino in lc.durability.waiting
         fs.peers.make_room = lambda need: lc.space.make_room_now(need, persisted_only=True)
         if lc.retention is not None:
             fs.peers.retired = lc.retention.retired

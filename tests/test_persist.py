@@ -794,7 +794,7 @@ def test_steps_json(make_mount, bucket: Bucket) -> None:
     assert out["newest_complete_safe"] == "1"
     assert out["durable"] == bucket.url
     text = mtcfs("steps", str(m.path), check=True).stdout
-    assert "newest complete step safe in the durable tier: 1" in text
+    assert "newest complete step safe (in the durable tier): 1" in text
 
     # A fresh node over the same bucket: step 1 is there, safe, but not in its RAM yet.
     m2 = make_mount(name="b", extra=bucket.mount_args("manual"))

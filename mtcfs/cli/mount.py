@@ -14,7 +14,8 @@ from mtcfs.config import FSYNC_LEVELS, LOG_FORMATS, LOG_LEVELS, ConfigError, bui
 @click.command("mount")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--ram-dir", help="tmpfs directory for file data [default: /dev/shm/mtcfs-<hash>]")
-@click.option("--ram-size", help="RAM tier budget, e.g. 512MiB, 8GiB [default: 4GiB]")
+@click.option("--ram-size", help="RAM tier budget, e.g. 512MiB, 8GiB; at most the size of the "
+              "RAM dir's filesystem  [default: 4GiB, or half that filesystem if smaller]")
 @click.option("--node-id", help="this node's id in the job [default: hostname]")
 @click.option("--daemon", is_flag=True, default=None,
               help="detach; return 0 once the mount is live")

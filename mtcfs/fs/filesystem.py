@@ -466,6 +466,7 @@ class Filesystem:
 
     def _open_handle(self, node: Inode, flags: int) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        node.last_access = time.monotonic()
         fd = self.ram.acquire(node.ino)
         fh = self._next_fh
         self._next_fh += 1
@@ -700,7 +701,27 @@ class Filesystem:
             "generation": node.generation or None,
             "tiers": [t for t, present in (("ram", here), ("peers", bool(elsewhere)),
                                            (self.durable_name, node.persisted)) if present],
+            "lifecycle": self._lifecycle_state(node, here),
         }
+
+    def _lifecycle_state(self, node: Inode, here: bool) -> str:
+        """Where the file is in DESIGN.md's lifecycle, as seen from this host:
+        open, incomplete, closed, replicated (K peer copies), persisted, evictable
+        (this host's copy may go), evicted (written here, metadata only here now),
+        remote (another host's file, not in this host's RAM)."""
+        if node.state != CLOSED:
+            return node.state
+        lc = self.lifecycle
+        if not here:
+            # Written here and dropped: evicted; another host's file: remote.
+            return "evicted" if node.writer in ("", self.node_id) else "remote"
+        if lc is not None and lc.copies.droppable(node) and not lc.space.busy(node):
+            return "evictable"
+        if node.persisted:
+            return "persisted"
+        if lc is not None and lc.copies.replicated(node):
+            return "replicated"
+        return "closed"
 
     @property
     def durable_name(self) -> str:

@@ -64,6 +64,7 @@ class Inode:
     writers: int = 0
     dirty: bool = False
     cached: bool = False  # the data here was read through (a cache copy, not a replica)
+    last_access: float = 0.0  # time.monotonic() of the last open: caches are evicted LRU
     wseq: int = 0  # bumped by every write/truncate, to detect races with a seal
 
     @property

@@ -49,6 +49,7 @@ class Durability:
         self.waits: dict[str, int] = {}
         self.wait_seconds: dict[str, float] = {}
         self.failures = 0
+        self.waiting: dict[int, int] = {}  # ino -> fsyncs waiting on it (pushed first)
         self.on_waited: Callable[[str, float], None] = lambda level, seconds: None
         self._lot = trio.lowlevel.ParkingLot()
 
@@ -80,12 +81,18 @@ class Durability:
             self.fs.uploader.request([node])  # whatever the persist policy says
         t0 = time.monotonic()
         version = node.version
-        with trio.move_on_after(self.timeout):
-            while not self.reached(node, level):
-                if node.version != version or node.dirty:
-                    break  # rewritten meanwhile: this fsync's data is superseded
-                with trio.move_on_after(0.5):  # also re-check without a wake-up
-                    await self._lot.park()
+        self.waiting[node.ino] = self.waiting.get(node.ino, 0) + 1
+        try:
+            with trio.move_on_after(self.timeout):
+                while not self.reached(node, level):
+                    if node.version != version or node.dirty:
+                        break  # rewritten meanwhile: this fsync's data is superseded
+                    with trio.move_on_after(0.5):  # also re-check without a wake-up
+                        await self._lot.park()
+        finally:
+            n = self.waiting.pop(node.ino, 1) - 1
+            if n > 0:
+                self.waiting[node.ino] = n
         took = time.monotonic() - t0
         self.waits[level] = self.waits.get(level, 0) + 1
         self.wait_seconds[level] = self.wait_seconds.get(level, 0.0) + took

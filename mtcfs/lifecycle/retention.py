@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from mtcfs.fs.namespace import CLOSED, ROOT
+from mtcfs.fs.namespace import OPEN, ROOT
 from mtcfs.lifecycle.space import SpaceManager, step_view
 from mtcfs.persist.steps import dirs_under, files_under, step_number
 
@@ -107,7 +107,7 @@ class Retention:
             files = list(files_under(fs.ns, d))
             if not files and not d.children:
                 continue
-            if any(f.opens or f.state != CLOSED or f.dirty for f in files):
+            if any(f.opens or f.dirty or f.state == OPEN for f in files):
                 continue
             newest_change = max([d.mtime_ns, *(f.mtime_ns for f in files),
                                  *(x.mtime_ns for x in dirs_under(fs.ns, d))])

@@ -92,6 +92,7 @@ class SpaceManager:
         self.stats = Stats()
         self.waiting = 0  # writers waiting for space now
         self._lot = trio.lowlevel.ParkingLot()
+        self._logged: dict[str, float] = {}  # path -> when its ENOSPC was last logged
         # Set by the daemon: a way to tell whether data can still become safe
         # (uploads or replication pending), so a hopeless wait ends at once.
         self.can_become_safe: Callable[[], bool] = lambda: False
@@ -131,7 +132,7 @@ class SpaceManager:
                 key: tuple = (0, in_step[0], age)
                 reason = "old-step"
             elif kind == CACHE:
-                key, reason = (1, node.atime_ns, age), "cache"
+                key, reason = (1, node.last_access, age), "cache"
             elif kind == REPLICA:
                 key, reason = (2, age), "replica"
             elif kind == OWN and (in_step is None or in_step[1] == 0):
@@ -221,12 +222,16 @@ class SpaceManager:
             self.waiting -= 1
             self.stats.wait_seconds += time.monotonic() - t0
         self.stats.enospc += 1
-        why = self.why_full(need)
+        why = self.why_full(need, time.monotonic() - t0)
         self.stats.last_full, self.stats.last_full_time = why, time.time()
-        log.error("ENOSPC writing %s: %s", what, why)
+        # The kernel sends a large write as several requests that fail together:
+        # one line per file, not one per request.
+        if time.monotonic() - self._logged.get(what, -1e9) > 10:
+            self._logged[what] = time.monotonic()
+            log.error("ENOSPC writing %s: %s", what, why)
         raise NoSpace(why)
 
-    def why_full(self, need: int) -> str:
+    def why_full(self, need: int, waited: float) -> str:
         """One line saying what holds the RAM tier and why none of it may go."""
         ram = self.fs.ram
         held: dict[str, list[int]] = {}
@@ -249,7 +254,8 @@ class SpaceManager:
                  for why, (n, b) in sorted(held.items(), key=lambda kv: -kv[1][1])]
         return (f"RAM tier full ({format_size(ram.used)} of {format_size(ram.capacity)} used, "
                 f"{format_size(need)} needed): " + ("; ".join(parts) or "nothing held")
-                + f"; waited {self.full_timeout:.0f} s")
+                + (f"; waited {waited:.1f} s" if waited >= 0.05 else
+                   "; nothing can become safe (no uploads or replication pending)"))
 
     def status(self) -> dict[str, object]:
         s = self.stats

@@ -308,7 +308,8 @@ class ReplicatedIndex:
 
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
         """Same version: holders merge as a set, and a persisted flag is taken."""
-        new = [h for h in e.holders if h not in node.holders]
+        # Only this host knows whether it holds a copy (it may have evicted it).
+        new = [h for h in e.holders if h not in node.holders and h != self.node_id]
         gone = [h for h in e.dropped if h in node.holders and h not in e.holders
                 and h != self.node_id]
         persisted = (node.persisted_version < e.persisted_version == node.version)
@@ -349,12 +350,13 @@ class ReplicatedIndex:
         node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
         node.persisted_version, node.generation = e.persisted_version, e.generation
         if fresh:
-            node.holders = list(e.holders)
+            node.holders = [h for h in e.holders if h != self.node_id]
             if node.has_data:
                 self.hooks.forget_data(node)
             node.has_data = False
         else:
-            node.holders.extend(h for h in e.holders if h not in node.holders)
+            node.holders.extend(h for h in e.holders
+                                if h not in node.holders and h != self.node_id)
 
     def _release_pending(self, gid: str) -> None:
         waiting = self.pending.pop(gid, [])

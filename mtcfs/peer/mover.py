@@ -90,8 +90,10 @@ def _varint(n: int) -> bytes:
 
 def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
          metadata: tuple[tuple[str, str], ...], entry: bytes, path: str, data_path: str,
-         size: int, timeout: float, stall: float) -> tuple[str, str, bool]:
-    """Stream one replica; returns (status code name, details, stored)."""
+         size: int, timeout: float, stall: float,
+         urgent: bool = False) -> tuple[str, str, bool]:
+    """Stream one replica; returns (status code name, details, stored). An urgent
+    push (an fsync waits for it, so its writer is blocked) does not yield."""
     try:
         fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -101,7 +103,7 @@ def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
 
     def yield_to_writes() -> None:
         """The daemon's trainer is writing: let it have the CPU, within a budget."""
-        if _last_write is not None:
+        if _last_write is not None and not urgent:
             yielded[0] += pause_while_writing(lambda: _last_write.value,
                                               MAX_YIELD - yielded[0])
             last[0] = time.monotonic()  # paused on purpose: not a stall

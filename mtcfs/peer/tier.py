@@ -127,6 +127,7 @@ class PeerTier(Hooks):
         self.on_copies: Callable[[Inode], None] = lambda node: None
         self.retired: Callable[[Inode], bool] = lambda node: False
         self.make_room: Callable[[int], bool] = lambda need: False
+        self.urgent: Callable[[Inode], bool] = lambda node: False  # an fsync waits for it
         # When the trainer last wrote (the filesystem's clock): replication yields
         # to writes, here and, through shared memory, in the push workers.
         self.last_write: Callable[[], float] = lambda: 0.0
@@ -386,7 +387,7 @@ class PeerTier(Hooks):
                 partial(self._pushes().submit(
                     mover.push, p.addr, self.tls, self.members.metadata,
                     entry.SerializeToString(), path, self.ram.path(node.ino), size,
-                    60 + size / (20 << 20), STALL_TIMEOUT).result),
+                    60 + size / (20 << 20), STALL_TIMEOUT, self.urgent(node)).result),
                 limiter=self._limiter)
         except BrokenProcessPool:
             self._mover = None  # a worker died (killed?): a new pool next time
@@ -398,6 +399,10 @@ class PeerTier(Hooks):
             # through): that copy counts.
             log.info("%s already holds %s", p.node_id, path)
             return True
+        if code in ("FAILED_PRECONDITION", "NOT_FOUND") and (
+                not node.linked or node.version != entry.version or node.dirty):
+            log.info("replica of %s to %s dropped: the file changed meanwhile", path, p.node_id)
+            return False
         if code != "OK":
             self.stats.replica_failures += 1
             self._error(f"replica of {path} to {p.addr} ({p.node_id}): {code}: {details}")

@@ -17,6 +17,7 @@ from mtcfs.fs.namespace import ROOT, Inode, Namespace
 DEFAULT_MARKERS = (".metadata", "_CHECKPOINT_METADATA", "commit_success.txt")
 DEFAULT_TMP_PATTERNS = ("*.orbax-checkpoint-tmp*", "*.tmp")
 _NUMBER = re.compile(r"\d+")
+_STEP_WORD = re.compile(r"(?:step|ckpt|checkpoint|iter|iteration|epoch)[_-]?(\d+)", re.I)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,11 @@ class StepRules:
 
 
 def step_number(name: bytes) -> int | None:
-    m = _NUMBER.search(name.decode("utf-8", "surrogateescape"))
-    return int(m.group()) if m else None
+    """`step_100`, `checkpoint-100`, `llama3-step-100`, `100`, `100.orbax-checkpoint-tmp-17`
+    -> 100: the number after a step word, else the first number."""
+    text = name.decode("utf-8", "surrogateescape")
+    m = _STEP_WORD.search(text) or _NUMBER.search(text)
+    return int(m.group(m.lastindex or 0)) if m else None
 
 
 def files_under(ns: Namespace, d: Inode) -> Iterator[Inode]:
