@@ -33,10 +33,22 @@ class MountFailed(RuntimeError):
     pass
 
 
-def setup_logging(level: str, stream: Any = None, fmt: str = "text") -> None:
+# With --daemon the log lives in the RAM dir (tmpfs, outside the budget): rotated.
+LOG_ROTATE_BYTES = 16 << 20
+LOG_KEEP = 3
+
+
+def setup_logging(level: str, stream: Any = None, fmt: str = "text",
+                  path: str | None = None) -> None:
     """One line per event; with fmt "json", one JSON object per line with the
     field names Cloud Logging reads (severity, message, time)."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler: logging.Handler
+    if path is not None:
+        from logging.handlers import RotatingFileHandler
+
+        handler = RotatingFileHandler(path, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_KEEP)
+    else:
+        handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
 
@@ -80,7 +92,7 @@ def run(opts: MountOptions) -> int:
     os.dup2(fd, 2)
     os.close(fd)
     os.close(null)
-    setup_logging(opts.log_level, fmt=opts.log_format)
+    setup_logging(opts.log_level, fmt=opts.log_format, path=log_path)
     code = _serve_foreground(opts, ready_fd=write_fd)
     os._exit(code)
 

@@ -92,7 +92,10 @@ class SpaceManager:
         self.stats = Stats()
         self.waiting = 0  # writers waiting for space now
         self._lot = trio.lowlevel.ParkingLot()
-        self._logged: dict[str, float] = {}  # path -> when its ENOSPC was last logged
+        # path -> when its wait / ENOSPC was last logged: one line per file, not
+        # one per concurrent request of the same write.
+        self._warned: dict[str, float] = {}
+        self._logged: dict[str, float] = {}
         # Set by the daemon: a way to tell whether data can still become safe
         # (uploads or replication pending), so a hopeless wait ends at once.
         self.can_become_safe: Callable[[], bool] = lambda: False
@@ -205,12 +208,13 @@ class SpaceManager:
             while True:
                 if not self.can_become_safe() or time.monotonic() >= deadline:
                     break
-                if not logged:
+                if not logged and time.monotonic() - self._warned.get(what, -1e9) > 10:
+                    self._warned[what] = time.monotonic()
                     log.warning("RAM tier full writing %s: %s needed, %s free, nothing safe to "
                                 "evict; waiting up to %.0f s for uploads/replication",
                                 what, format_size(need), format_size(ram.capacity - ram.used),
                                 self.full_timeout)
-                    logged = True
+                logged = True
                 with trio.move_on_after(min(RECHECK, max(0.0, deadline - time.monotonic()))):
                     await self._lot.park()
                 if self.make_room_now(need):
