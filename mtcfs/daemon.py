@@ -319,6 +319,8 @@ def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
             pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
 
     fs.invalidate_entry = invalidate_entry
+    if fs.readthrough is not None:
+        fs.readthrough.make_room = lc.space.make_room_now
 
 
 def _names(value: str | None) -> tuple[str, ...]:

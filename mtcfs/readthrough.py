@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -117,6 +118,8 @@ class ReadThrough:
         self.sources: dict[str, int] = {}  # bytes fetched, by where they came from
         self.prefetch_errors: dict[int, str] = {}
         self._nursery: trio.Nursery | None = None
+        # Evicts safe copies for a fetch that does not fit (set by the daemon).
+        self.make_room: Callable[[int], bool] = lambda need: False
         # (parent ino, name, old ino) of files a refresh replaced by a new inode
         self._replaced: list[tuple[int, bytes, int]] = []
 
@@ -276,6 +279,8 @@ class ReadThrough:
         f = self.fetches.get(node.ino)
         if f is not None and f.error is None:
             return f
+        if node.size > self.ram.capacity - self.ram.used:
+            self.make_room(node.size)
         free = self.ram.capacity - self.ram.used
         f = self.fetches[node.ino] = Fetch(node.size)
         if node.size > free:

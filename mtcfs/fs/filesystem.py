@@ -451,8 +451,6 @@ class Filesystem:
         elif not node.has_data:
             if self.readthrough is None:
                 raise FsError(errno.EIO)
-            if self.lifecycle is not None:
-                self.lifecycle.space.make_room_now(node.size)
             # Start fetching now; reads wait for the ranges they need.
             self.readthrough.start(node)
         fh = self._open_handle(node, flags)
