@@ -54,6 +54,7 @@ def new_view(name: str) -> Inode:
 
 class Cluster(RuleBasedStateMachine):
     K = 1
+    DURABLE = False  # a bucket is configured (own data then waits for its upload)
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class Cluster(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------
 
     def copies(self, host: str) -> Copies:
-        return Copies(host, self.K, lambda n: n in self.live)
+        return Copies(host, self.K, lambda n: n in self.live, durable=self.DURABLE)
 
     def current_holders(self, f: str) -> set[str]:
         return {h for h in self.live if self.data[h].get(f) == self.version[f]}
@@ -222,9 +223,25 @@ class ClusterK2(Cluster):
     K = 2
 
 
+class ClusterDurable(Cluster):
+    DURABLE = True
+
+    @invariant()
+    def own_data_kept_until_persisted(self) -> None:
+        """With a bucket, the writer's copy stays until the upload (which reads it)."""
+        for f in FILES:
+            writers = [h for h in HOSTS if self.views[h][f].writer == h
+                       and self.views[h][f].version == self.version[f]]
+            for w in writers:
+                if w in self.live and self.bucket[f] != self.version[f]:
+                    assert self.data[w].get(f) == self.version[f], f"{w} dropped unpersisted {f}"
+
+
 _settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestOnlyCopyNeverEvicted = Cluster.TestCase
 TestOnlyCopyNeverEvicted.settings = _settings
 TestOnlyCopyNeverEvictedK2 = ClusterK2.TestCase
 TestOnlyCopyNeverEvictedK2.settings = _settings
+TestOwnDataWaitsForUpload = ClusterDurable.TestCase
+TestOwnDataWaitsForUpload.settings = _settings

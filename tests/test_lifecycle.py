@@ -483,3 +483,31 @@ def mtcfs_cmd() -> list[str]:
     from conftest import MTCFS
 
     return list(MTCFS)
+
+
+def test_replicated_own_data_waits_for_its_upload(make_cluster, make_gcs_server):
+    """With a bucket, a writer never drops its own unpersisted data because a peer holds
+    a replica: the upload reads it from this host's RAM. (It did once, and the files
+    were never persisted.) The writer waits for the upload instead."""
+    server = make_gcs_server("memory")
+    bucket = server.create_bucket("own")
+    c = make_cluster(2, replicas=1, start=False, extra=(
+        "--bucket", f"gs://{bucket}", "--gcs-endpoint", server.url, "--persist", "on-close"))
+    c.define("a", ram_size="64MiB", extra=("--full-timeout", "60", *mon()))
+    c.start("a", "b")
+    a = c["a"]
+    server.kill()
+    _fill_unpersisted(a, ["x", "y"], 24 * MiB)
+    wait_until(lambda: all(a.state(n)["replicas"] == 1 for n in ("x", "y")))
+    done: dict[str, object] = {}
+    t = threading.Thread(target=lambda: (write(a.path / "z", blob(5, 24 * MiB)),
+                                         done.setdefault("ok", True)))
+    t.start()
+    wait_until(lambda: a.status()["lifecycle"]["writers_waiting"] >= 1, timeout=20)
+    assert all(in_ram(a, n) for n in ("x", "y")), "own unpersisted data was evicted"
+    server.start()
+    t.join(timeout=90)
+    assert done.get("ok")
+    wait_until(lambda: all(a.state(n)["persisted"] for n in ("x", "y", "z")), timeout=60)
+    assert "no longer in this host's RAM" not in a.log()
+    assert wait_metric(a, "mtcfs_evictions_total", 1, reason="own") >= 1  # after the upload

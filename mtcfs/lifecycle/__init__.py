@@ -41,7 +41,7 @@ class Lifecycle:
             (lambda n: peers.members.by_node(n) is not None) if peers is not None
             else (lambda n: False))
         self.fs = fs
-        self.copies = Copies(fs.node_id, replicas, is_live)
+        self.copies = Copies(fs.node_id, replicas, is_live, durable=fs.uploader is not None)
         self.space = SpaceManager(fs, self.copies, rules, opts.keep_steps, opts.full_timeout)
         self.space.can_become_safe = self._can_become_safe
         self.durability = Durability(fs, self.copies, rules, opts.fsync, opts.fsync_timeout)

@@ -5,7 +5,9 @@ The rules (DESIGN.md, "File lifecycle": the only copy is never evicted):
 - a *cache* copy (read through from a peer or the bucket, never announced)
   may go when the file is persisted or a live peer holds it;
 - this host's *own* data (it wrote this version) may go when the file is
-  persisted or K live peers hold verified replicas;
+  persisted; without a durable tier, when K live peers hold verified
+  replicas. With one, the upload still needs it (each host uploads what it
+  wrote, from its RAM): the writer waits for the upload instead;
 - a *replica* (received for another host) may go only once the file is
   persisted. Replica holders never count on each other: two hosts evicting
   at once, each trusting the other's copy, could otherwise drop the last two.
@@ -30,6 +32,7 @@ class Copies:
     node_id: str
     replicas: int = 0  # K
     is_live: Callable[[str], bool] = lambda node_id: False
+    durable: bool = False  # a durable tier is configured: own data waits to be persisted
 
     def kind(self, node: Inode) -> str:
         if node.cached:
@@ -57,7 +60,8 @@ class Copies:
         if kind == CACHE:
             return self.elsewhere(node) >= 1
         if kind == OWN:
-            return self.replicas >= 1 and self.elsewhere(node) >= self.replicas
+            return (not self.durable and self.replicas >= 1
+                    and self.elsewhere(node) >= self.replicas)
         return False
 
     def replicated(self, node: Inode) -> bool:

@@ -250,7 +250,7 @@ class SpaceManager:
                 else:
                     why = "not yet persisted" + (
                         f" nor in {self.copies.replicas} peer copies"
-                        if self.copies.replicas else "")
+                        if self.copies.replicas and not self.copies.durable else "")
                 c = held.setdefault(why, [0, 0])
                 c[0] += 1
                 c[1] += ram.charged(node.ino)

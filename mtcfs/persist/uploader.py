@@ -441,6 +441,12 @@ class Uploader:
                     return
                 # Our own earlier upload landed (e.g. before a crash): adopt it.
         except (FileNotFoundError, FileChangedError):
+            if node.linked and node.state == CLOSED and not node.dirty and not node.has_data:
+                # Not removed nor changed: its data left this host's RAM (lost with
+                # the RAM dir). Nothing here can upload it: say so, never silently.
+                msg = f"cannot persist {key}: its data is no longer in this host's RAM"
+                self._record_error(msg)
+                log.error("%s", msg)
             return  # removed, or changed since its seal: its next seal queues it again
         except ValueError as e:
             # A name the durable tier cannot store (e.g. a newline in it): retrying
