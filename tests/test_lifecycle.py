@@ -346,7 +346,9 @@ def _peer_has(m, rel: str, data: bytes) -> bool:
 
 
 def test_fsync_replicas_returns_after_k_verified_copies(make_cluster):
-    c = make_cluster(3, replicas=2, extra=("--fsync", "replicas"))
+    c = make_cluster(3, replicas=2, start=False, extra=("--fsync", "replicas"))
+    c.define("a", extra=mon())
+    c.start("a", "b", "c")
     a, b, cc = c["a"], c["b"], c["c"]
     data = blob(5, 32 * MiB)
     with open(a.path / "shard", "wb") as f:
@@ -371,10 +373,15 @@ def test_fsync_replicas_returns_after_k_verified_copies(make_cluster):
     assert _peer_has(b, "synced", data2) and _peer_has(cc, "synced", data2)
     fsync = a.status()["lifecycle"]["fsync"]
     assert fsync["waits"]["replicas"] >= 2 and fsync["failures"] == 0, fsync
+    assert wait_metric(a, "mtcfs_fsync_wait_seconds_count", 2, level="replicas") >= 2
+    assert wait_metric(a, "mtcfs_replication_lag_seconds_count", 2) >= 2
 
 
 def test_fsync_replicas_times_out_with_eio_when_peers_are_gone(make_cluster):
-    c = make_cluster(2, replicas=1, extra=("--fsync", "replicas", "--fsync-timeout", "2"))
+    c = make_cluster(2, replicas=1, start=False,
+                     extra=("--fsync", "replicas", "--fsync-timeout", "2"))
+    c.define("a", extra=mon())
+    c.start("a", "b")
     c.kill9("b")
     a = c["a"]
     wait_until(lambda: not a.status()["peers"]["live_peers"], timeout=20)
@@ -387,6 +394,7 @@ def test_fsync_replicas_times_out_with_eio_when_peers_are_gone(make_cluster):
     assert "level replicas not reached" in a.log()
     # The data is still there (fsync's level failed, not the write).
     assert (a.path / "shard").read_bytes() == blob(1, MiB)
+    assert wait_metric(a, "mtcfs_errors_total", 1, kind="fsync_level_not_reached") >= 1
 
 
 def test_fsync_gcs_persists_whatever_the_policy(make_mount, make_gcs_server):
