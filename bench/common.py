@@ -527,3 +527,37 @@ def section(name: str) -> Iterator[None]:
     err.rule(f"[bold]{name}")
     yield
     err.print(f"  {name} took {time.monotonic() - t0:.0f} s", style="dim")
+
+
+# -- which code a group measured -----------------------------------------------------
+
+MTCFS_CODE = ("mtcfs_tree", "mtcfs_diff")
+
+
+def code_version() -> dict[str, Any]:
+    """The commit, and a digest of the uncommitted changes under mtcfs/ (others may
+    be editing the tree while the benchmark runs)."""
+    import hashlib
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCH_DIR.parent)
+        return r.stdout.strip()
+
+    diff = git("diff", "HEAD", "--", "mtcfs")
+    return {
+        "head": git("rev-parse", "--short", "HEAD"),
+        "mtcfs_tree": git("rev-parse", "--short", "HEAD:mtcfs"),
+        "mtcfs_diff": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else None,
+    }
+
+
+def save_details(path: Path, details: dict[str, Any]) -> None:
+    """Write a group's per-run details (details["code"] = code_version() at its start),
+    warning when mtcfs/ changed while it ran."""
+    after = code_version()
+    if [after[k] for k in MTCFS_CODE] != [details["code"].get(k) for k in MTCFS_CODE]:
+        details["code_after"] = after
+        err.print("[yellow]  mtcfs/ changed while this group ran: figures mix versions[/]")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(details, indent=2) + "\n")
+    err.print(f"  details: {path}", style="dim")

@@ -35,7 +35,6 @@ also registered with Scratch.defer, so it is stopped after an error or Ctrl-C.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -52,12 +51,14 @@ from common import (
     MiB,
     Mount,
     Row,
+    code_version,
     err,
     fmt,
     median,
+    save_details,
 )
 from durable import Gcs, _quiesce
-from peers import code_version, family, free_ports, state, status
+from peers import family, free_ports, state, status
 from ramtier import _size
 
 LEVELS = ("local", "replicas", "gcs")
@@ -262,9 +263,7 @@ def group(ctx: Context) -> list[Row]:
         details["log_warnings"] = logs
         details["loadavg_end"] = os.getloadavg()[0]
         with contextlib.suppress(OSError):
-            DETAILS.parent.mkdir(exist_ok=True)
-            DETAILS.write_text(json.dumps(details, indent=2) + "\n")
-            err.print(f"  details: {DETAILS}", style="dim")
+            save_details(DETAILS, details)
 
 
 def _measure(

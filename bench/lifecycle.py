@@ -72,15 +72,17 @@ from common import (
     MiB,
     Mount,
     Row,
+    code_version,
     err,
     fmt,
     median,
     mib_s,
     run,
+    save_details,
 )
 from durable import BUCKET, Gcs
 from lifecycle_trainer import MARKER, SHARDS
-from peers import code_version, free_ports
+from peers import free_ports
 from ramtier import _size
 
 from mtcfs import control
@@ -339,13 +341,7 @@ def group(ctx: Context) -> list[Row]:
     finally:
         gcs.close()
         shutil.rmtree(workdir, ignore_errors=True)
-        after = code_version()
-        if after.get("mtcfs_diff") != details["code"].get("mtcfs_diff"):
-            details["code_after"] = after
-            err.print("[yellow]  mtcfs/ changed while this group ran: figures mix versions[/]")
-        DETAILS.parent.mkdir(exist_ok=True)
-        DETAILS.write_text(json.dumps(details, indent=2) + "\n")
-        err.print(f"  details: {DETAILS}", style="dim")
+        save_details(DETAILS, details)
     return rows
 
 

@@ -68,11 +68,13 @@ from common import (
     Mount,
     Row,
     alternating_pair,
+    code_version,
     drop_caches,
     err,
     fmt,
     median,
     mib_s,
+    save_details,
 )
 from durable import _quiesce, cpu_seconds
 from grpc_reference import GrpcServer
@@ -273,26 +275,6 @@ def wait_ram_below(m: Mount, limit: int, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
-MTCFS_CODE = ("mtcfs_tree", "mtcfs_diff")
-
-
-def code_version() -> dict[str, Any]:
-    """The commit, and a digest of the uncommitted changes under mtcfs/ (others may
-    be editing the tree while the benchmark runs)."""
-    import hashlib
-
-    def git(*args: str) -> str:
-        r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCH_DIR.parent)
-        return r.stdout.strip()
-
-    diff = git("diff", "HEAD", "--", "mtcfs")
-    return {
-        "head": git("rev-parse", "--short", "HEAD"),
-        "mtcfs_tree": git("rev-parse", "--short", "HEAD:mtcfs"),
-        "mtcfs_diff": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else None,
-    }
-
-
 # -- the group -------------------------------------------------------------------
 
 
@@ -324,13 +306,7 @@ def group(ctx: Context) -> list[Row]:
             cl.stop(name)
         srv.stop()
     rows += index_scale(ctx, details)
-    after = code_version()
-    if [after[k] for k in MTCFS_CODE] != [details["code"][k] for k in MTCFS_CODE]:
-        details["code_after"] = after
-        err.print("[yellow]  mtcfs/ changed while this group ran: figures mix versions[/]")
-    DETAILS.parent.mkdir(exist_ok=True)
-    DETAILS.write_text(json.dumps(details, indent=2) + "\n")
-    err.print(f"  details: {DETAILS}", style="dim")
+    save_details(DETAILS, details)
     return rows
 
 

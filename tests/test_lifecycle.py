@@ -197,13 +197,20 @@ def _fill_unpersisted(m, names: list[str], size: int) -> None:
         write(m.path / name, blob(hash(name) & 0xFFFF, size))
 
 
-def test_writer_waits_for_upload_then_resumes(make_mount, make_gcs_server):
+def _mount_over_dead_bucket(make_mount, make_gcs_server, ram_size: str, full_timeout: int):
+    """A mount over a GCS server that is then killed: uploads cannot finish, so
+    nothing becomes evictable until the server is started again."""
     server = make_gcs_server("memory")
-    bucket = server.create_bucket("waits")
-    m = make_mount(ram_size="64MiB", extra=(
+    bucket = server.create_bucket("lifecycle")
+    m = make_mount(ram_size=ram_size, extra=(
         "--bucket", f"gs://{bucket}", "--gcs-endpoint", server.url, "--persist", "on-close",
-        "--full-timeout", "60", *mon()))
-    server.kill()  # uploads cannot finish: nothing becomes evictable
+        "--full-timeout", str(full_timeout), *mon()))
+    server.kill()
+    return m, server
+
+
+def test_writer_waits_for_upload_then_resumes(make_mount, make_gcs_server):
+    m, server = _mount_over_dead_bucket(make_mount, make_gcs_server, "64MiB", 60)
     _fill_unpersisted(m, ["a", "b"], 24 * MiB)
     result: dict[str, object] = {}
 
@@ -235,12 +242,7 @@ def test_writer_waits_for_upload_then_resumes(make_mount, make_gcs_server):
 
 
 def test_enospc_after_full_timeout_says_why(make_mount, make_gcs_server):
-    server = make_gcs_server("memory")
-    bucket = server.create_bucket("full")
-    m = make_mount(ram_size="48MiB", extra=(
-        "--bucket", f"gs://{bucket}", "--gcs-endpoint", server.url, "--persist", "on-close",
-        "--full-timeout", "2", *mon()))
-    server.kill()
+    m, _server = _mount_over_dead_bucket(make_mount, make_gcs_server, "48MiB", 2)
     _fill_unpersisted(m, ["a"], 40 * MiB)
     t0 = time.monotonic()
     with pytest.raises(OSError) as e:
