@@ -286,7 +286,7 @@ def test_full_peer_refuses_replicas_and_sender_picks_another(make_cluster):
                what="every file got its replica")
     holders = [set(a.state(f"x{i}")["holders"]) for i in range(4)]
     assert all(h == {"node-a", "node-c"} for h in holders), holders
-    # b refused (or was never asked: rendezvous placement); when it was asked it said why.
+    # b refused (or was never asked: placement); when it was asked it said why.
     refused = b.status()["ram"]["refused"]
     if refused:
         assert "RESOURCE_EXHAUSTED" in a.log()

@@ -106,7 +106,7 @@ def ram_copies(m: MtcfsMount, crc: int, size: int) -> list[Path]:
 
 
 def placement_order(writer: str, peers: list[str]) -> list[str]:
-    """The node ids `writer` puts replicas on, in order (rendezvous hashing)."""
+    """The node ids `writer` puts replicas on, in order (mtcfs.peer.placement)."""
     cands = [SimpleNamespace(node_id=p, domain="") for p in peers]
     return [p.node_id for p in placement.rank(writer, "", cands)]
 
@@ -650,3 +650,22 @@ def test_umount_wait_finishes_replication_first(make_cluster):
     write(b, "w/alone", blob(8, MiB))
     r = mtcfs("umount", str(b.path), "--wait", timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(("hosts", "k", "zones"), [(64, 1, 0), (64, 2, 0), (64, 1, 4), (63, 2, 3)])
+def test_placement_is_balanced(hosts, k, zones):
+    """With every host alive, each holds exactly K writers' replicas (a RAM tier sized
+    shard x (1 + K) fits), and with failure domains no replica stays in its writer's."""
+    members = [(f"host-{i}", f"zone-{i % zones}" if zones else "") for i in range(hosts)]
+    load: dict[str, int] = {}
+    for writer, domain in members:
+        peers = [SimpleNamespace(node_id=n, domain=d) for n, d in members if n != writer]
+        targets = placement.rank(writer, domain, peers)[:k]
+        assert not zones or all(t.domain != domain for t in targets)
+        for t in targets:
+            load[t.node_id] = load.get(t.node_id, 0) + 1
+    assert sorted(load.values()) == [k] * hosts
+    # Deterministic: the same order on every host, whatever order it lists its peers in.
+    peers = [SimpleNamespace(node_id=n, domain=d) for n, d in members[1:]]
+    assert ([p.node_id for p in placement.rank("host-0", members[0][1], peers)]
+            == [p.node_id for p in placement.rank("host-0", members[0][1], peers[::-1])])

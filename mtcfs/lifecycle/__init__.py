@@ -71,6 +71,8 @@ class Lifecycle:
     # -- events from the tiers ---------------------------------------------------------
 
     def on_sealed(self, node: Inode) -> None:
+        if not self.copies.replicas and self.fs.uploader is None:
+            return  # no lag to measure: nothing will replicate or persist it
         if len(self._sealed) >= MAX_TRACKED:
             self._sealed.pop(next(iter(self._sealed)))
         self._sealed[node.ino] = (node.version, time.monotonic())

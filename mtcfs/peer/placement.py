@@ -1,16 +1,21 @@
 """Where a file's replicas go.
 
-Rendezvous hashing of (writer, peer) node ids: every file a host writes goes to
-the same K peers while they live, so a replacement host with the same node id
-knows where its data is, and the choice needs no coordination. With failure
-domains, peers in other domains come first (a zone loss keeps a copy), each
-group in hash order. A dead or full peer is skipped for the next in rank.
+A ring of the live hosts, the same on every host: each failure domain's hosts
+in the order of a hash of their node ids, the domains interleaved (one host of
+each in turn). A writer's replicas go to the next hosts after it on the ring,
+other failure domains first. So, with every host alive, each host holds the
+replicas of exactly K writers (rendezvous hashing, used before, left some
+hosts holding five writers' replicas and others none, at N=64, K=1: a RAM
+tier sized for shard x (1 + K) overflowed), a zone loss keeps a copy, a
+replacement host with the same node id knows where its data is, and the
+choice needs no coordination. A dead or full peer is skipped for the next.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from itertools import zip_longest
 from typing import Protocol, TypeVar
 
 
@@ -22,12 +27,25 @@ class Candidate(Protocol):
 C = TypeVar("C", bound="Candidate")
 
 
-def score(writer: str, peer: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{writer}\0{peer}".encode()).digest()[:8], "big")
+def _hash(node_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:8], "big")
+
+
+def ring(members: Sequence[tuple[str, str]]) -> list[str]:
+    """Node ids in ring order, from (node id, failure domain) pairs."""
+    by_domain: dict[str, list[str]] = {}
+    for node_id, domain in members:
+        by_domain.setdefault(domain, []).append(node_id)
+    columns = [sorted(set(ids), key=lambda n: (_hash(n), n))
+               for _, ids in sorted(by_domain.items())]
+    return [n for row in zip_longest(*columns) for n in row if n is not None]
 
 
 def rank(writer: str, domain: str, peers: Sequence[C]) -> list[C]:
     """Peers in the order replicas of `writer`'s files should go to."""
-    known = [p for p in peers if p.node_id and p.node_id != writer]
-    return sorted(known, key=lambda p: (bool(domain) and p.domain == domain,
-                                        -score(writer, p.node_id)))
+    known = {p.node_id: p for p in peers if p.node_id and p.node_id != writer}
+    order = ring([(writer, domain), *((p.node_id, p.domain) for p in known.values())])
+    i = order.index(writer)
+    after = [known[n] for n in order[i + 1:] + order[:i]]
+    # Other failure domains first; the ring order within each group.
+    return sorted(after, key=lambda p: bool(domain) and p.domain == domain)
