@@ -539,9 +539,14 @@ def test_mtcfs_behaves_like_tmpfs(mnt, ram_root: Path) -> None:
     os.chmod(ref, stat.S_IMODE(os.stat(mnt.path).st_mode))
     COVERAGE.clear()
     examples = int(os.environ.get("MTCFS_POSIX_EXAMPLES", "300"))
+    # The same sequences on every run (CI must not depend on luck: a rare outcome
+    # such as setxattr EEXIST went unproduced once in ~10 runs); MTCFS_POSIX_RANDOM=1
+    # explores new ones.
+    explore = bool(os.environ.get("MTCFS_POSIX_RANDOM"))
     run_state_machine_as_test(
         lambda: PosixModel(str(mnt.path), str(ref)),
         settings=settings(
+            derandomize=not explore,
             max_examples=examples,
             stateful_step_count=int(os.environ.get("MTCFS_POSIX_STEPS", "50")),
             deadline=None,
@@ -552,7 +557,7 @@ def test_mtcfs_behaves_like_tmpfs(mnt, ram_root: Path) -> None:
     print("\nposix model coverage:")
     for (op, outcome), n in sorted(COVERAGE.items()):
         print(f"  {op:32} {outcome:12} {n}")
-    if examples >= 300:
+    if examples >= 300 and not explore:
         missing = [k for k in EXPECTED_COVERAGE if not COVERAGE[k]]
         assert not missing, f"the random runs never produced {missing}"
     # The daemon survived the whole run and saw no error it could not map.
