@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from mtcfs.mountinfo import entry_at
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -437,19 +439,11 @@ def check_ram_dir(ram_dir: str, mountpoint: str) -> None:
 
 def mount_entry(mountpoint: str) -> dict[str, str] | None:
     """The /proc/self/mountinfo entry at `mountpoint` (the topmost one), if any."""
-    target = os.path.abspath(mountpoint)
-    found = None
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                sep = parts.index("-")
-                point = parts[4].replace("\\040", " ").replace("\\011", "\t")
-                if point == target:
-                    found = {"fstype": parts[sep + 1], "source": parts[sep + 2]}
+        e = entry_at(mountpoint)
     except OSError:
         return None
-    return found
+    return None if e is None else {"fstype": e.fstype, "source": e.source}
 
 
 def is_mounted(mountpoint: str) -> bool:
