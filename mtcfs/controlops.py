@@ -179,12 +179,6 @@ class ControlHandler:
         if lc is not None and lc.retention is not None:
             kept = step_view(fs, rules, lc.retention.keep).kept
 
-        def live_replicas(f: Inode) -> int:
-            if f.state != CLOSED:
-                return 0
-            return sum(1 for h in f.holders if h != f.writer
-                       and (h == fs.node_id or lc is None or lc.copies.is_live(h)))
-
         steps = []
         newest_safe = None
         for d in all_steps(ns, rules):
@@ -195,15 +189,16 @@ class ControlHandler:
                 "path": ns.path_of(f),
                 "size": f.size,
                 "state": f.state,
-                "replicas": live_replicas(f),
+                "replicas": lc.copies.replicas_of(f) if lc is not None and f.state == CLOSED
+                else 0,
                 "holders": list(f.holders),
                 "persisted": f.persisted,
                 "in_ram": f.has_data,
             } for f in files]
             replicas = [e["replicas"] for e in per_file]
             # Safe: every file persisted, or in K peer copies (DESIGN.md, lifecycle).
-            safe = complete and bool(files) and all(
-                f.persisted or (k and live_replicas(f) >= k) for f in files)
+            safe = complete and bool(per_file) and all(
+                e["persisted"] or (k and e["replicas"] >= k) for e in per_file)
             entry = {
                 "path": ns.path_of(d),
                 "step": step_number(d.name),

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import pyfuse3
@@ -159,6 +160,7 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         ns = Namespace(store)
         ram = RamTier(opts.ram_dir, opts.ram_size)
         fs = Filesystem(ns, ram, opts.node_id, opts.control_socket)
+        fs.invalidate_entry = partial(_invalidate_entry, fs)
     except Exception as e:
         log.exception("cannot open the RAM dir")
         _notify(ready_fd, f"cannot open RAM dir {opts.ram_dir}: {e}")
@@ -218,6 +220,14 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
     return code
 
 
+def _invalidate_entry(fs: Filesystem, parent: Inode, name: bytes) -> None:
+    """Drop the kernel's cached name (a change the kernel did not make: another
+    host's, or the daemon's own, e.g. retention)."""
+    # Before the mount is live the kernel has nothing cached (and refuses).
+    if fs.live:
+        pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
+
+
 def _attach_durable(opts: MountOptions, fs: Filesystem) -> None:
     """Open and check the durable tier, merge its tree into the namespace
     (before the kernel sees anything), and hook up uploads and read-through."""
@@ -266,18 +276,13 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
         opts.failure_domain or "",
     )
 
-    def invalidate(parent: Inode, name: bytes, node: Inode | None) -> None:
-        # Before the mount is live the kernel has nothing cached (and refuses).
-        if fs.live:
-            pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
-
     def invalidate_attrs(ino: int) -> None:
         if not fs.live:
             return
         with contextlib.suppress(OSError):  # ENOENT: the kernel has no copy
             pyfuse3.invalidate_inode(ino, attr_only=True)
 
-    peers.invalidate_hook = invalidate
+    peers.invalidate_hook = lambda parent, name, node: fs.invalidate_entry(parent, name)
     peers.removed_hook = fs.drop_if_unused
     peers.attrs_hook = invalidate_attrs
     peers.last_write = lambda: fs.last_write
@@ -313,12 +318,6 @@ def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
         fs.peers.make_room = lambda need: lc.space.make_room_now(need, persisted_only=True)
         if lc.retention is not None:
             fs.peers.retired = lc.retention.retired
-
-    def invalidate_entry(parent: Inode, name: bytes) -> None:
-        if fs.live:
-            pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
-
-    fs.invalidate_entry = invalidate_entry
     if fs.readthrough is not None:
         fs.readthrough.make_room = lc.space.make_room_now
 

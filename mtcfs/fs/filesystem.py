@@ -102,8 +102,8 @@ class Filesystem:
         self.peers: PeerTier | None = None
         # Eviction, retention and fsync levels (set by the daemon).
         self.lifecycle: Lifecycle | None = None
-        # Drops the kernel's cached name (set by the daemon once the mount is live):
-        # for removals the daemon makes itself (retention).
+        # Drops the kernel's cached name (set by the daemon; a no-op until the mount
+        # is live): for changes the kernel did not make (other hosts, retention).
         self.invalidate_entry: Callable[[Inode, bytes], None] = lambda parent, name: None
         self.live = False  # the kernel has completed INIT (set by the daemon)
         self.metrics_url: str | None = None
@@ -504,12 +504,7 @@ class Filesystem:
         try:
             n = self.ram.write(node.ino, h.fd, off, buf, node.size)
         except RamTierFull as e:
-            if self.lifecycle is not None:
-                raise NeedRoom(e.need) from None
-            self.ram.enospc_count += 1
-            log.error("ENOSPC writing %s: %s (--ram-size %d)", self.ns.path_of(node), e.strerror,
-                      self.ram.capacity)
-            raise FsError(errno.ENOSPC) from None
+            raise NeedRoom(e.need) from None
         except OSError as e:
             raise FsError(e.errno or errno.EIO) from None
         end = off + n
@@ -526,11 +521,13 @@ class Filesystem:
 
     async def write_after_room(self, fh: int, off: int, buf: bytes, need: int) -> int:
         """A write that found the RAM tier full: evict, or wait (bounded) for data
-        to become evictable, then write; ENOSPC if no room came."""
-        assert self.lifecycle is not None
+        to become evictable, then write; ENOSPC if no room came (the lifecycle
+        logs why)."""
         h = self.handle(fh)
         while True:
             try:
+                if self.lifecycle is None:
+                    raise OSError(errno.ENOSPC, "no lifecycle: nothing can be evicted")
                 await self.lifecycle.space.make_room(need, self.ns.path_of(h.node))
             except OSError:
                 self.ram.enospc_count += 1

@@ -64,6 +64,12 @@ class Copies:
                     and self.elsewhere(node) >= self.replicas)
         return False
 
+    def replicas_of(self, node: Inode) -> int:
+        """Verified copies of this version other than its writer's, on live hosts
+        (this one included)."""
+        return sum(1 for h in node.holders
+                   if h != node.writer and (h == self.node_id or self.is_live(h)))
+
     def replicated(self, node: Inode) -> bool:
         """K verified peer copies of this version exist (--fsync replicas)."""
-        return self.replicas >= 1 and self.elsewhere(node) >= self.replicas
+        return self.replicas >= 1 and self.replicas_of(node) >= self.replicas

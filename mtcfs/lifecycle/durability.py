@@ -102,7 +102,7 @@ class Durability:
         self.failures += 1
         path = self.fs.ns.path_of(node)
         have = ("persisted" if node.persisted else
-                f"{self.copies.elsewhere(node)} of {self.copies.replicas} peer copies")
+                f"{self.copies.replicas_of(node)} of {self.copies.replicas} peer copies")
         msg = f"fsync {path}: level {level} not reached in {self.timeout:.0f} s ({have})"
         log.error("%s", msg)
         raise NotDurable(msg)

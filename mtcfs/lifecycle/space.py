@@ -63,8 +63,9 @@ class StepView:
     """The steps as retention and eviction see them, computed in one pass."""
 
     kept: set[int]  # inos of the step directories kept in RAM
-    order: dict[int, tuple[int, int]]  # file ino -> (step rank, 0) oldest first
+    order: dict[int, tuple[int, int]]  # file ino -> (step rank, 1 if kept), oldest first
     complete: list[Inode]  # complete steps, oldest first
+    oldest_kept_rank: int  # steps ranked below it are older than every kept one
 
 
 def step_view(fs: Filesystem, rules: StepRules, keep: int) -> StepView:
@@ -78,7 +79,8 @@ def step_view(fs: Filesystem, rules: StepRules, keep: int) -> StepView:
     for rank, d in enumerate(ranked):
         for f in files_under(ns, d):
             order.setdefault(f.ino, (rank, 1 if d.ino in kept else 0))
-    return StepView(kept, order, complete)
+    kept_ranks = [rank for rank, is_kept in order.values() if is_kept]
+    return StepView(kept, order, complete, min(kept_ranks) if kept_ranks else 1 << 30)
 
 
 class SpaceManager:
@@ -131,7 +133,8 @@ class SpaceManager:
             kind = self.copies.kind(node)
             age = node.mtime_ns
             in_step = view.order.get(node.ino)
-            if in_step is not None and in_step[1] == 0 and in_step[0] < _newest(view):
+            if (in_step is not None and in_step[1] == 0
+                    and in_step[0] < view.oldest_kept_rank):
                 key: tuple = (0, in_step[0], age)
                 reason = "old-step"
             elif kind == CACHE:
@@ -275,9 +278,3 @@ class SpaceManager:
             "last_full": s.last_full or None,
             "last_full_age": round(time.time() - s.last_full_time, 1) if s.last_full else None,
         }
-
-
-def _newest(view: StepView) -> int:
-    """Rank of the oldest kept step: steps ranked below it are 'older'."""
-    kept_ranks = [r for r, k in view.order.values() if k]
-    return min(kept_ranks) if kept_ranks else 1 << 30
