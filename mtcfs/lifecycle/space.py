@@ -168,7 +168,7 @@ class SpaceManager:
         with fs.ns.store.transaction():
             fs.ns.persist(node)
         if announced and fs.peers is not None:
-            fs.peers.index.copy_dropped(node, self.copies.node_id)
+            fs.peers.index.holders_changed(node, dropped=self.copies.node_id)
         self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + 1
         self.stats.evicted_bytes[reason] = self.stats.evicted_bytes.get(reason, 0) + before
         self.on_evicted(node, reason, before)

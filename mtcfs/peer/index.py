@@ -109,17 +109,13 @@ class ReplicatedIndex:
         self._tombstone(node.guid, lam, self.node_id)
         self.outbox([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
 
-    def holders_changed(self, node: Inode) -> None:
-        """More copies of this version exist (merged as a set: no new stamp needed)."""
-        if self.visible(node):
-            self.outbox([self.entry_of(node)])
-
-    def copy_dropped(self, node: Inode, holder: str) -> None:
-        """`holder` evicted its copy of this version: holders merge as a set, so the
-        removal travels as its own list."""
+    def holders_changed(self, node: Inode, dropped: str = "") -> None:
+        """Copies of this version came (or, `dropped`, one was evicted). Holders merge
+        as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
             e = self.entry_of(node)
-            e.dropped.append(holder)
+            if dropped:
+                e.dropped.append(dropped)
             self.outbox([e])
 
     @staticmethod
