@@ -226,15 +226,16 @@ async def _serve(cfg: dict[str, Any]) -> None:
                 if op == "go":
                     cpu0 = time.process_time()
                     writer.sent.clear()
-                    s0 = (writer.tier.stats.batches_sent, writer.tier.stats.entries_sent)
+                    s0 = (writer.tier.broadcaster.stats.batches_sent,
+                          writer.tier.broadcaster.stats.entries_sent)
                     t = time.monotonic()
                     await _make(writer, req)
                     _reply({"t0": t, "made_s": time.monotonic() - t})
                 elif op == "stats":
-                    while any(writer.tier._queues.values()) or writer.tier._sending:
+                    while writer.tier.broadcaster.pending():
                         await trio.sleep(0.001)
                     cpu = time.process_time() - cpu0
-                    st = writer.tier.stats
+                    st = writer.tier.broadcaster.stats
                     _reply(
                         {
                             "cpu": cpu,

@@ -36,6 +36,7 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 FSYNC_LEVELS = ("local", "replicas", "gcs")
+VISIBILITY_MODES = ("fsync", "close")
 LOG_FORMATS = ("text", "json")
 
 # Mount options libfuse and the kernel accept (checked before mounting so a
@@ -118,6 +119,9 @@ class MountOptions:
     full_timeout: float = 60.0
     fsync: str = "local"
     fsync_timeout: float = 300.0
+    # What fsync/commit/close wait for: every live peer has applied the change.
+    commit_timeout: float = 10.0
+    visibility: str = "fsync"
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
     log_format: str = "text"
@@ -154,7 +158,8 @@ def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
         ok, want = isinstance(value, bool), "true or false"
     elif name in ("replicas", "keep_steps", "metrics_port"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh"):
+    elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh",
+                  "commit_timeout"):
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         want = "a number of seconds"
     elif name == "ram_size":
@@ -233,8 +238,12 @@ def _validate(opts: MountOptions) -> None:
 def _validate_durable(opts: MountOptions) -> None:
     from mtcfs.persist.policy import PersistPolicy
 
+    for name in ("commit_markers", "tmp_patterns"):
+        value = getattr(opts, name)
+        if value is not None and not [v for v in str(value).split(",") if v.strip()]:
+            raise ConfigError(f"--{name.replace('_', '-')} needs at least one name")
     if opts.bucket is None:
-        for name in ("gcs_endpoint", "persist", "commit_markers", "tmp_patterns"):
+        for name in ("gcs_endpoint", "persist"):
             if getattr(opts, name) is not None:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} needs --bucket")
@@ -259,10 +268,6 @@ def _validate_durable(opts: MountOptions) -> None:
         raise ConfigError(f"invalid --list-refresh {opts.list_refresh!r}: seconds") from None
     if opts.list_refresh <= 0:
         raise ConfigError("--list-refresh must be greater than zero")
-    for name in ("commit_markers", "tmp_patterns"):
-        value = getattr(opts, name)
-        if value is not None and not [v for v in str(value).split(",") if v.strip()]:
-            raise ConfigError(f"--{name.replace('_', '-')} needs at least one name")
 
 
 def _seconds(opts: MountOptions, name: str, allow_zero: bool = False) -> float:
@@ -290,6 +295,11 @@ def _validate_lifecycle(opts: MountOptions) -> None:
     _seconds(opts, "incomplete_grace", allow_zero=True)
     _seconds(opts, "full_timeout", allow_zero=True)
     _seconds(opts, "fsync_timeout")
+    _seconds(opts, "commit_timeout")
+    opts.visibility = str(opts.visibility or "fsync").lower()
+    if opts.visibility not in VISIBILITY_MODES:
+        raise ConfigError(f"invalid --visibility {opts.visibility!r}: choose one of "
+                          f"{', '.join(VISIBILITY_MODES)}")
     opts.fsync = str(opts.fsync or "local").lower()
     if opts.fsync not in FSYNC_LEVELS:
         raise ConfigError(f"invalid --fsync {opts.fsync!r}: choose one of "

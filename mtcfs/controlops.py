@@ -16,7 +16,7 @@ from mtcfs.config import MountOptions
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode
 from mtcfs.lifecycle.space import step_view
-from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
+from mtcfs.persist.steps import all_steps, files_under, step_number
 
 Reply = dict[str, Any]
 
@@ -44,6 +44,8 @@ class ControlHandler:
             version=__version__,
             uptime=round(time.time() - self.started, 1),
             health="ok",
+            node=self.fs.node_id,
+            data_path=self.fs.data_path,
         )
         up, rt = self.fs.uploader, self.fs.readthrough
         if up is not None and rt is not None:
@@ -61,6 +63,15 @@ class ControlHandler:
         st["metrics_url"] = self.fs.metrics_url
         peers = self.fs.peers
         st["peers"] = peers.status() if peers is not None else None
+        st["visibility"] = {
+            "mode": self.fs.visibility_mode,
+            **(peers.broadcaster.status() if peers is not None else {
+                "commit_timeout": self.opts.commit_timeout, "waits": 0, "wait_seconds": 0.0,
+                "max_wait_seconds": 0.0, "timeouts": 0, "last_timeout": None,
+                "broadcast_queue": 0}),
+        }
+        if st["visibility"]["timeouts"] and peers is not None and not peers.broadcaster.quiet():
+            st["health"] = "degraded"  # commits returned before every peer had them
         if peers is not None and rt is not None:
             st["peers"]["bytes_fetched_by_source"] = rt.status()["bytes_by_source"]
         return {"ok": True, "status": st}
@@ -172,7 +183,7 @@ class ControlHandler:
         fs = self.fs
         ns = fs.ns
         up = fs.uploader
-        rules = up.rules if up is not None else StepRules()
+        rules = fs.rules
         lc = fs.lifecycle
         k = lc.copies.replicas if lc is not None else 0
         kept = set()
@@ -199,10 +210,14 @@ class ControlHandler:
             # Safe: every file persisted, or in K peer copies (DESIGN.md, lifecycle).
             safe = complete and bool(per_file) and all(
                 e["persisted"] or (k and e["replicas"] >= k) for e in per_file)
+            wd = lc.withdrawal if lc is not None else None
+            withdrawn = wd is not None and wd.is_withdrawn(d)
             entry = {
                 "path": ns.path_of(d),
                 "step": step_number(d.name),
                 "complete": complete,
+                "withdrawn": withdrawn,
+                "lost_files": [ns.path_of(f) for f in files if wd is not None and wd.lost(f)],
                 "temporary": rules.is_temporary(ns, d),
                 "files": len(files),
                 "bytes": sum(f.size for f in files),

@@ -3,7 +3,6 @@ the control socket, and unmounts cleanly on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
@@ -12,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from functools import partial
 from typing import Any
 
 import pyfuse3
@@ -23,8 +21,10 @@ from mtcfs.config import MountOptions, format_size, is_dead_mount, mount_entry
 from mtcfs.controlops import ControlHandler
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
+from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import Inode, Namespace
 from mtcfs.meta.store import MetaStore
+from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
 from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger("mtcfs")
@@ -159,8 +159,13 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
         ns = Namespace(store)
         ram = RamTier(opts.ram_dir, opts.ram_size)
-        fs = Filesystem(ns, ram, opts.node_id, opts.control_socket)
-        fs.invalidate_entry = partial(_invalidate_entry, fs)
+        fs = Filesystem(ns, ram, opts.node_id, opts.control_socket, step_rules(opts),
+                        opts.visibility)
+        kernel = KernelCache(
+            lambda parent, name: pyfuse3.invalidate_entry(parent, name),
+            lambda ino: pyfuse3.invalidate_inode(ino, attr_only=True))
+        fs.kernel = kernel
+        fs.invalidate_entry = lambda parent, name: kernel.entry(parent.ino, name)
     except Exception as e:
         log.exception("cannot open the RAM dir")
         _notify(ready_fd, f"cannot open RAM dir {opts.ram_dir}: {e}")
@@ -193,6 +198,8 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         fs.lifecycle.on_persist_lag = metrics.persist_lag.observe
         fs.lifecycle.durability.on_waited = (
             lambda level, s: metrics.fsync_seconds.labels(level).observe(s))
+        if fs.peers is not None:
+            fs.peers.broadcaster.on_waited = metrics.commit_seconds.observe
         fs.metrics_url = f"http://{opts.metrics_address}:{port}/metrics"
         log.info("metrics on %s (health: /healthz)", fs.metrics_url)
     ops = FuseOperations(fs)
@@ -210,6 +217,7 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
     finally:
         if fs.peers is not None:
             fs.peers.stop()
+        fs.kernel.stop()
         if metrics is not None:
             metrics.close()
         pyfuse3.close(unmount=True)
@@ -220,32 +228,19 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
     return code
 
 
-def _invalidate_entry(fs: Filesystem, parent: Inode, name: bytes) -> None:
-    """Drop the kernel's cached name (a change the kernel did not make: another
-    host's, or the daemon's own, e.g. retention)."""
-    # Before the mount is live the kernel has nothing cached (and refuses).
-    if fs.live:
-        pyfuse3.invalidate_entry_async(parent.ino, name, deleted=0, ignore_enoent=True)
-
-
 def _attach_durable(opts: MountOptions, fs: Filesystem) -> None:
     """Open and check the durable tier, merge its tree into the namespace
     (before the kernel sees anything), and hook up uploads and read-through."""
     # Imported here: google-cloud-storage is slow to import and unused without --bucket.
     from mtcfs.persist.policy import PersistPolicy
-    from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
     from mtcfs.persist.uploader import Uploader
     from mtcfs.readthrough import ReadThrough
     from mtcfs.tiers.durable import open_durable
 
     tier = open_durable(opts.bucket or "", opts.gcs_endpoint)
     tier.check()
-    rules = StepRules(
-        markers=_names(opts.commit_markers) or DEFAULT_MARKERS,
-        tmp_patterns=_names(opts.tmp_patterns) or DEFAULT_TMP_PATTERNS,
-    )
     uploader = Uploader(fs.ns, fs.ram.path, tier, PersistPolicy.parse(opts.persist or "step"),
-                        rules)
+                        fs.rules)
     readthrough = ReadThrough(fs.ns, fs.ram, tier, refresh=opts.list_refresh)
     t0 = time.monotonic()
     objects = readthrough.listing()
@@ -273,37 +268,48 @@ def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
         fs.ns, fs.ram, opts.node_id, opts.listen or "",
         [a.strip() for a in (opts.peers or "").split(",") if a.strip()], opts.peers_file,
         opts.replicas if opts.replicas is not None else 1, secret, tls,
-        opts.failure_domain or "",
+        opts.failure_domain or "", opts.commit_timeout,
     )
-
-    def invalidate_attrs(ino: int) -> None:
-        if not fs.live:
-            return
-        with contextlib.suppress(OSError):  # ENOENT: the kernel has no copy
-            pyfuse3.invalidate_inode(ino, attr_only=True)
 
     peers.invalidate_hook = lambda parent, name, node: fs.invalidate_entry(parent, name)
     peers.removed_hook = fs.drop_if_unused
-    peers.attrs_hook = invalidate_attrs
+    peers.attrs_hook = fs.kernel.attrs
+    peers.kernel_settle = fs.kernel.settle
     peers.last_write = lambda: fs.last_write
     fs.peers = peers
+    fs.visibility = peers
     if fs.uploader is not None:
         fs.uploader.node_id = opts.node_id
         fs.uploader.on_persisted = peers.index.holders_changed
         peers.on_remote = fs.uploader.on_remote
+        peers.on_moved = fs.uploader.on_remote_moved
     if fs.readthrough is None:
         fs.readthrough = ReadThrough(fs.ns, fs.ram, None, peers=peers)
     else:
         fs.readthrough.peers = peers
+    if fs.uploader is not None:
+        uploader, readthrough = fs.uploader, fs.readthrough
+
+        def fetch_for_upload(node: Inode) -> None:
+            async def fetch() -> None:
+                try:
+                    await readthrough.wait_complete(node)
+                except OSError as e:
+                    log.error("cannot persist %s: no copy could be fetched: %s",
+                              fs.ns.path_of(node) if node.linked else node.guid, e.strerror)
+                uploader.wake()
+
+            if node.ino not in readthrough.fetches:
+                readthrough.spawn(fetch)
+
+        uploader.fetch = fetch_for_upload
 
 
 def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
     """Eviction, retention and fsync levels, hooked to the tiers' events."""
     from mtcfs.lifecycle import Lifecycle
-    from mtcfs.persist.steps import StepRules
 
-    rules = fs.uploader.rules if fs.uploader is not None else StepRules()
-    lc = fs.lifecycle = Lifecycle(fs, opts, rules)
+    lc = fs.lifecycle = Lifecycle(fs, opts, fs.rules)
     if fs.uploader is not None:
         announce = fs.uploader.on_persisted
 
@@ -313,6 +319,20 @@ def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
 
         fs.uploader.on_persisted = persisted
     if fs.peers is not None:
+        peers = fs.peers
+        membership_changed = peers.members.on_change
+        remote_changed = peers.on_remote
+
+        def on_change(p: Any) -> None:
+            membership_changed(p)
+            lc.on_peers_changed()
+
+        def on_remote(nodes: list[Inode]) -> None:
+            remote_changed(nodes)
+            lc.on_peers_changed()
+
+        peers.members.on_change = on_change
+        peers.on_remote = on_remote
         fs.peers.on_copies = lc.on_copies
         fs.peers.urgent = lambda node: node.ino in lc.durability.waiting
         fs.peers.make_room = lambda need: lc.space.make_room_now(need, persisted_only=True)
@@ -320,6 +340,14 @@ def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
             fs.peers.retired = lc.retention.retired
     if fs.readthrough is not None:
         fs.readthrough.make_room = lc.space.make_room_now
+
+
+def step_rules(opts: MountOptions) -> StepRules:
+    """What commits a step (markers) and what is temporary (never uploaded)."""
+    return StepRules(
+        markers=_names(opts.commit_markers) or DEFAULT_MARKERS,
+        tmp_patterns=_names(opts.tmp_patterns) or DEFAULT_TMP_PATTERNS,
+    )
 
 
 def _names(value: str | None) -> tuple[str, ...]:
@@ -373,6 +401,7 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
         fs.live = True
+        fs.kernel.start()
         log.info(
             "mounted %s: node %s, RAM dir %s, RAM size %s, %d files re-adopted",
             opts.mountpoint, opts.node_id, opts.ram_dir, format_size(opts.ram_size),

@@ -290,12 +290,22 @@ class StreamingCrc:
 def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes]:
     """One pass over the first `size` bytes of `fd`: (whole crc, packed block crcs).
 
-    Runs in a worker thread. A file shorter than `size` is checksummed as far as it goes.
+    Runs in a worker thread. A file shorter than `size` is checksummed as far as it
+    goes. Holes are never read: a block tmpfs holds no data for (lseek SEEK_DATA)
+    gets the crc of zeros directly, so a sparse file costs what its data costs.
     """
     crcs: list[int] = []
+    end = min(size, os.fstat(fd).st_size)
     off = 0
-    while off < size:
-        want = min(block, size - off)
+    data = _next_data(fd, 0, end)  # the next offset >= off that may hold data
+    while off < end:
+        want = min(block, end - off)
+        if data >= off + want:
+            crcs.append(zeros_crc(want))
+            off += want
+            if data < off + block:
+                data = _next_data(fd, off, end)
+            continue
         chunk = os.pread(fd, want, off)
         if 0 < len(chunk) < want:  # short read: complete the block
             parts = [chunk]
@@ -313,7 +323,34 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes
         off += len(chunk)
         if len(chunk) < want:
             break  # EOF inside the block: it is the last, partial one
+        if data < off:
+            data = _next_data(fd, off, end)
     return _combine_blocks(crcs, off, block), pack_crcs(crcs)
+
+
+def _next_data(fd: int, off: int, end: int) -> int:
+    """The first offset >= off where the file may hold data (`end` if none)."""
+    if off >= end:
+        return end
+    try:
+        return os.lseek(fd, off, os.SEEK_DATA)
+    except OSError as e:
+        if e.errno == 6:  # ENXIO: only a hole from off to the end
+            return end
+        return off  # no SEEK_DATA here: read everything
+
+
+_ZEROS: dict[int, int] = {}
+
+
+def zeros_crc(n: int) -> int:
+    """crc32c of n zero bytes (n <= a block; the common lengths are remembered)."""
+    crc = _ZEROS.get(n)
+    if crc is None:
+        crc = google_crc32c.value(bytes(n))
+        if len(_ZEROS) < 64:
+            _ZEROS[n] = crc
+    return crc
 
 
 def crc32c_of_fd(fd: int, size: int) -> int:

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_EVERY = 1.0
 STALE_AFTER = 10.0  # /healthz fails when the newest snapshot is older than this
+COMMIT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 
@@ -44,6 +45,7 @@ def snapshot(fs: Filesystem) -> dict[str, Any]:
         st["readthrough"] = fs.readthrough.status()
     if fs.peers is not None:
         st["peers"] = fs.peers.status()
+        st["visibility"] = fs.peers.broadcaster.status()
     return st
 
 
@@ -62,6 +64,10 @@ class Metrics(Collector):
         self.fsync_seconds = Histogram(
             "mtcfs_fsync_wait_seconds", "Seconds fsync()/close() waited for its durability level",
             ["level"], buckets=LAG_BUCKETS, registry=self.registry)
+        self.commit_seconds = Histogram(
+            "mtcfs_commit_wait_seconds",
+            "Seconds fsync, a directory fsync or a commit waited for every live peer to "
+            "apply it", buckets=COMMIT_BUCKETS, registry=self.registry)
         self.registry.register(self)
         self.snap: dict[str, Any] = {}
         self.taken = 0.0  # time.monotonic() of the newest snapshot
@@ -179,6 +185,12 @@ class Metrics(Collector):
                      lc.get("writers_waiting", 0))
         yield _counter("mtcfs_space_wait_seconds", "Seconds writers waited for space",
                        lc.get("wait_seconds", 0.0))
+        if "withdrawn_steps" in lc:
+            yield _counter("mtcfs_steps_withdrawn",
+                           "Committed steps withdrawn because a file lost its last copy",
+                           lc["withdrawn_steps"])
+            yield _gauge("mtcfs_steps_withdrawn_now", "Withdrawn steps in the namespace now",
+                         lc["withdrawn_now"])
         yield _counter("mtcfs_replicas_refused",
                        "Replicas from peers refused for lack of space", ram.get("refused", 0))
 
@@ -214,6 +226,10 @@ class Metrics(Collector):
                 up.add_metric([peer["address"], peer["node_id"] or ""], 1 if peer["alive"] else 0)
             yield up
             yield _gauge("mtcfs_peers_live", "Peers alive", p["live_peers"])
+            vis = s.get("visibility") or {}
+            yield _counter("mtcfs_commit_timeouts",
+                           "fsyncs and commits that returned after --commit-timeout before "
+                           "every live peer had applied them", vis.get("timeouts", 0))
         yield errors
 
 

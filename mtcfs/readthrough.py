@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -216,6 +216,7 @@ class ReadThrough:
         # data file; the next open fetches the new object.
         self.fetches.pop(old.ino, None)
         self.ns.unlink(d, name)
+        old.stale = True
         self.ram.remove(old.ino)
         if old.lookups:
             self.ns.store.delete_inode(old.ino)  # forgotten when the kernel lets go
@@ -370,6 +371,11 @@ class ReadThrough:
             # failed download) until a retry fetches into a new file (start()).
             if (f.done or f.error) and self.fetches.get(node.ino) is f:
                 self.fetches.pop(node.ino)
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run fn in the fetches' nursery (after start-up)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn)
 
     def prefetch(self, nodes: list[Inode], parallel: int = 4) -> None:
         """Fetch these files into the RAM tier in the background, `parallel` at a time

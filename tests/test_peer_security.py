@@ -366,7 +366,12 @@ BAD_BATCHES: dict[str, Callable[[], pb.ChangeBatch]] = {
     "symlink target of 4096 bytes": lambda: batch(entry(mode=stat.S_IFLNK | 0o777,
                                                         target=b"t" * 4096)),
     "mode without a type": lambda: batch(entry(mode=0o644)),
-    "device node": lambda: batch(entry(mode=stat.S_IFCHR | 0o666)),
+    "type 0o170000 (not a file type)": lambda: batch(entry(mode=0o170644)),
+    "links of a directory": lambda: batch(entry(
+        mode=stat.S_IFDIR | 0o755, links=[pb.Link(parent="p" * 10, name=b"x")])),
+    "link with a bad name": lambda: batch(entry(links=[pb.Link(parent="p" * 10, name=b"../x")])),
+    "2000 links": lambda: batch(entry(links=[pb.Link(parent="p" * 10, name=b"n%d" % i)
+                                             for i in range(2000)])),
     "mode beyond 16 bits": lambda: batch(entry(mode=0o1100644)),
     "size 2**64-1": lambda: batch(entry(size=2**64 - 1)),
     "lamport 2**64-1": lambda: batch(entry(lamport=2**64 - 1)),

@@ -2,9 +2,9 @@
 
 Each test checks content, errno, checksums or file states — what a
 checkpointer (torch DCP, Orbax/tensorstore, numpy) relies on. Documented
-differences from a local filesystem: hard links are refused with EPERM (every
-file has exactly one path, its key on peers and in the bucket), and the
-`user.mtcfs.*` extended attributes are virtual.
+differences from a local filesystem: files larger than 1 TiB are refused with
+EFBIG (tmpfs would keep them sparse), and the `user.mtcfs.*` extended
+attributes are virtual.
 """
 
 from __future__ import annotations
@@ -181,7 +181,10 @@ def test_rename_of_open_file(mnt):
         os.rename(mnt.path / "d" / "x.__lock", mnt.path / "d" / "x")
         assert os.write(fd, part2) == len(part2)
         os.fsync(fd)
-        assert mnt.state("d/x")["state"] == "open"
+        # fsync seals what was written as a version other hosts can read (the file
+        # is still open for writing here).
+        st = mnt.state("d/x")
+        assert st["state"] == "closed" and st["size"] == len(part1) + len(part2)
         dfd = os.open(mnt.path / "d", os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -358,13 +361,110 @@ def test_symlink_and_readlink(mnt):
     assert sorted(os.listdir(mnt.path)) == ["d"]
 
 
-def test_hard_link_is_refused_with_eperm(mnt):
-    """Documented: one path per file (its key on peers and in the bucket)."""
-    (mnt.path / "f").write_bytes(b"x")
+def test_hard_links_share_one_inode(mnt):
+    p = mnt.path
+    (p / "d").mkdir()
+    (p / "f").write_bytes(b"first")
+    os.link(p / "f", p / "g")
+    os.link(p / "f", p / "d" / "h")
+    st = [os.stat(p / n) for n in ("f", "g", "d/h")]
+    assert {s.st_ino for s in st} == {st[0].st_ino} and st[0].st_nlink == 3
+    with open(p / "g", "r+b") as f:  # a write through one name shows through all
+        f.write(b"FIRST")
+    assert (p / "d" / "h").read_bytes() == b"FIRST"
+    os.unlink(p / "f")  # the name the file was known by: it keeps the others
+    assert os.stat(p / "g").st_nlink == 2 and (p / "g").read_bytes() == b"FIRST"
+    os.rename(p / "d" / "h", p / "h2")
+    assert sorted(os.listdir(p)) == ["d", "g", "h2"] and os.stat(p / "h2").st_nlink == 2
+    os.rename(p / "g", p / "h2")  # two names of one file: nothing happens
+    assert sorted(os.listdir(p)) == ["d", "g", "h2"]
     with pytest.raises(OSError) as e:
-        os.link(mnt.path / "f", mnt.path / "g")
+        os.link(p / "d", p / "d2")
     assert e.value.errno == errno.EPERM
-    assert os.listdir(mnt.path) == ["f"] and os.stat(mnt.path / "f").st_nlink == 1
+    with pytest.raises(OSError) as e:
+        os.link(p / "g", p / "h2")
+    assert e.value.errno == errno.EEXIST
+    assert mnt.state("g")["crc32c"] == f"{crc(b'FIRST'):08x}"
+    os.unlink(p / "g")
+    os.unlink(p / "h2")
+    assert sorted(os.listdir(p)) == ["d"]
+
+
+def test_hard_links_survive_a_restart(mnt):
+    (mnt.path / "a").write_bytes(b"x" * 1000)
+    os.link(mnt.path / "a", mnt.path / "b")
+    os.unlink(mnt.path / "a")
+    os.link(mnt.path / "b", mnt.path / "c")
+    mnt.restart()
+    assert sorted(os.listdir(mnt.path)) == ["b", "c"]
+    assert os.stat(mnt.path / "b").st_ino == os.stat(mnt.path / "c").st_ino
+    assert os.stat(mnt.path / "c").st_nlink == 2 and (mnt.path / "c").read_bytes() == b"x" * 1000
+
+
+def test_device_nodes_fifos_and_sockets_are_inert_nodes(mnt):
+    p = mnt.path
+    os.mknod(p / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mknod(p / "disk", 0o600 | stat.S_IFBLK, os.makedev(8, 1))
+    os.mkfifo(p / "fifo")
+    s = os.stat(p / "null")
+    assert stat.S_ISCHR(s.st_mode) and os.major(s.st_rdev) == 1 and os.minor(s.st_rdev) == 3
+    assert stat.S_ISBLK(os.stat(p / "disk").st_mode)
+    assert stat.S_ISFIFO(os.stat(p / "fifo").st_mode)
+    with pytest.raises(OSError) as e:  # the mount is nodev
+        os.open(p / "null", os.O_RDONLY)
+    assert e.value.errno == errno.EACCES
+    mnt.restart()
+    assert os.stat(p / "disk").st_rdev == os.makedev(8, 1)
+
+
+def test_huge_lengths_fail_at_once_and_sparse_files_are_cheap(mnt):
+    p = mnt.path / "f"
+    p.write_bytes(b"x")
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as e:
+        os.truncate(p, 999_999_999_999_999)
+    assert e.value.errno == errno.EFBIG
+    fd = os.open(p, os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as e:
+            os.ftruncate(fd, (1 << 40) + 1)
+        assert e.value.errno == errno.EFBIG
+        os.ftruncate(fd, 1 << 40)  # the largest file: sparse, checksummed without reading
+    finally:
+        os.close(fd)
+    st = mnt.state("f")
+    assert time.monotonic() - t0 < 10
+    assert st["size"] == 1 << 40 and st["state"] == "closed"
+    assert os.stat(p).st_blocks * 512 < 1 * MiB
+
+
+def test_set_id_bits_are_cleared_as_linux_does(make_mount):
+    mnt = make_mount(extra=("-o", "allow_other"))
+    p = mnt.path / "f"
+    p.write_bytes(b"data")
+    for mode in (0o4755, 0o6755):
+        os.chmod(p, mode)
+        os.chown(p, 65534, 65534)  # chown clears them, whoever does it (root here)
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o755
+        os.chown(p, 0, 0)
+    os.chmod(p, 0o2745)  # setgid without group-execute is not cleared
+    os.chown(p, 65534, -1)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o2745
+    os.chown(p, 0, 0)
+    # The venv's interpreter may live where uid 65534 cannot reach it.
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    for action in ("write", "truncate"):
+        os.chmod(p, 0o6777)
+        code = ("import os; fd = os.open('f', os.O_WRONLY); os.write(fd, b'y')"
+                if action == "write" else "import os; os.truncate('f', 2)")
+        r = subprocess.run([python, "-c", code], cwd=mnt.path, user=65534, group=65534,
+                           extra_groups=[], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o777, action
+    os.chmod(p, 0o6777)
+    with open(p, "ab") as f:  # root keeps them (CAP_FSETID)
+        f.write(b"z")
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o6777
 
 
 # -- statfs, xattrs ---------------------------------------------------------------------

@@ -8,7 +8,14 @@ import sys
 import click
 
 from mtcfs.cli.common import usage_error
-from mtcfs.config import FSYNC_LEVELS, LOG_FORMATS, LOG_LEVELS, ConfigError, build_options
+from mtcfs.config import (
+    FSYNC_LEVELS,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    VISIBILITY_MODES,
+    ConfigError,
+    build_options,
+)
 
 
 @click.command("mount")
@@ -67,6 +74,12 @@ from mtcfs.config import FSYNC_LEVELS, LOG_FORMATS, LOG_LEVELS, ConfigError, bui
                    "(replicas) or persisted (gcs)  [default: local]")
 @click.option("--fsync-timeout", type=float, metavar="SECONDS",
               help="fsync() fails with EIO if its level is not reached in time  [default: 300]")
+@click.option("--commit-timeout", type=float, metavar="SECONDS",
+              help="fsync(), and the rename or close that commits a step, return once every "
+                   "live peer has applied the change, or after SECONDS (logged)  [default: 10]")
+@click.option("--visibility", type=click.Choice(VISIBILITY_MODES, case_sensitive=False),
+              help="fsync: plain close() returns at once and reaches peers in the background; "
+                   "close: every close() also waits for the peers  [default: fsync]")
 @click.option("--metrics-port", type=int, metavar="PORT",
               help="serve Prometheus metrics at /metrics and /healthz on PORT")
 @click.option("--metrics-address", metavar="ADDR",

@@ -29,6 +29,7 @@ def status(mountpoint: str, as_json: bool) -> None:
     t.add_column()
     t.add_row("health", st["health"])
     t.add_row("node", st["node_id"])
+    t.add_row("data path", st["data_path"])
     t.add_row("daemon", f"pid {st['pid']}, version {st['version']}, up {st['uptime']:.0f} s")
     t.add_row("RAM tier", f"{format_size(ram['used'])} of {format_size(ram['capacity'])} "
                           f"used ({pct:.1f}%), {format_size(ram['free'])} free")
@@ -84,6 +85,14 @@ def status(mountpoint: str, as_json: bool) -> None:
             t.add_row("last peer error", p["last_error"])
     else:
         t.add_row("peer tier", "none (mount with --listen and --peers)")
+    vis = st.get("visibility")
+    if vis:
+        avg = 1000 * vis["wait_seconds"] / vis["waits"] if vis["waits"] else 0.0
+        t.add_row("visibility", f"on {vis['mode']} (commit timeout {vis['commit_timeout']:g} s): "
+                                f"{vis['waits']} waits, {avg:.1f} ms average, "
+                                f"{vis['timeouts']} timed out")
+        if vis["last_timeout"]:
+            t.add_row("", f"last timeout: not answered by {vis['last_timeout']}")
     lc = st.get("lifecycle")
     if lc:
         fs_ = lc["fsync"]

@@ -28,7 +28,9 @@ def steps(mountpoint: str, as_json: bool) -> None:
                 "safe"):
         t.add_column(col, justify="right" if col in ("files", "size") else "left")
     for s in r["steps"]:
-        if s["temporary"]:
+        if s.get("withdrawn"):
+            complete = f"WITHDRAWN ({len(s['lost_files'])} lost)"
+        elif s["temporary"]:
             complete = "no (temporary name)"
         elif s["complete"]:
             complete = "yes"

@@ -17,12 +17,14 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, Inode, Namespace
 from mtcfs.integrity import StreamingCrc, block_crcs_of_fd, format_crc
+from mtcfs.persist.steps import StepRules, dirs_under
 from mtcfs.tiers.ram import RamTier, RamTierFull
 
 if TYPE_CHECKING:
@@ -43,6 +45,21 @@ RESERVED_XATTR_PREFIX = b"user.mtcfs."
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
+# The largest file mtcfs keeps (truncate or write beyond it: EFBIG). Per-block
+# crc32cs of a file this size take 1 MiB, in the index and on every host.
+MAX_FILE_SIZE = 1 << 40
+
+
+SETID = stat.S_ISUID | stat.S_ISGID
+
+
+def killed_privs(mode: int) -> int:
+    """`mode` without set-user-ID, and without set-group-ID if group-executable."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
+
 
 class FsError(Exception):
     """A failed operation: the errno the caller sees."""
@@ -61,6 +78,22 @@ class NeedRoom(FsError):
         self.need = need
 
 
+class Visibility(Protocol):
+    """What makes a change visible on the other hosts before a call returns."""
+
+    async def wait_applied(self, what: str, node: Inode | None = None) -> list[str]:
+        """Every live peer has applied what this host published so far (bounded);
+        returns the peers that did not answer."""
+        ...
+
+
+class LocalOnly:
+    """No peers: every change is visible everywhere at once."""
+
+    async def wait_applied(self, what: str, node: Inode | None = None) -> list[str]:
+        return []
+
+
 @dataclass(eq=False)
 class Handle:
     node: Inode
@@ -68,6 +101,7 @@ class Handle:
     writable: bool
     append: bool
     sync: bool = False  # opened with O_SYNC/O_DSYNC: the fsync level applies at close
+    uid: int = 0  # the opener's: an unprivileged writer clears set-id bits
 
 
 @dataclass
@@ -79,13 +113,20 @@ class Stats:
 
 
 class Filesystem:
-    def __init__(self, ns: Namespace, ram: RamTier, node_id: str, control_socket: str) -> None:
+    def __init__(self, ns: Namespace, ram: RamTier, node_id: str, control_socket: str,
+                 rules: StepRules | None = None, visibility: str = "fsync") -> None:
         self.ns = ns
         self.ram = ram
         self.node_id = node_id
         self.control_socket = control_socket
+        self.rules = rules or StepRules()
+        # "fsync": fsync, directory fsync and commits wait for the peers; "close": every
+        # close of a written file too.
+        self.visibility_mode = visibility
+        self.visibility: Visibility = LocalOnly()
+        self.data_path = "fuse"  # or "passthrough": reads and writes bypass the daemon
         self.handles: dict[int, Handle] = {}
-        self.dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self.dir_handles: dict[int, tuple[Inode, list[tuple[bytes, int]]]] = {}
         self._next_fh = 1
         self._crc: dict[int, StreamingCrc] = {}
         self.stats = Stats()
@@ -105,6 +146,7 @@ class Filesystem:
         # Drops the kernel's cached name (set by the daemon; a no-op until the mount
         # is live): for changes the kernel did not make (other hosts, retention).
         self.invalidate_entry: Callable[[Inode, bytes], None] = lambda parent, name: None
+        self.kernel: KernelCache = KernelCache(lambda p, n: None, lambda i: None)
         self.live = False  # the kernel has completed INIT (set by the daemon)
         self.metrics_url: str | None = None
         self.last_write = 0.0  # time.monotonic() of the last write(): replication yields to it
@@ -189,8 +231,18 @@ class Filesystem:
         self._maybe_drop(node)
 
     def drop_if_unused(self, node: Inode) -> None:
-        """A node removed by a remote change: free it once the kernel and handles let go."""
+        """A node removed or replaced by a remote change: stale from now on (see
+        Inode.stale); freed once the kernel and handles let go."""
+        node.stale = True
         self._maybe_drop(node)
+
+    def attributes_of(self, ino: int) -> Inode:
+        """getattr: a stale node answers ESTALE unless a handle still has it open, so
+        that the kernel's retry looks the name up afresh."""
+        node = self.node(ino)
+        if node.stale and not node.opens:
+            raise FsError(errno.ESTALE)
+        return node
 
     def _maybe_drop(self, node: Inode) -> None:
         if node.linked or node.opens or node.ino == ROOT:
@@ -208,13 +260,16 @@ class Filesystem:
 
     async def setattr(self, node: Inode, *, size: int | None = None, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
-                mtime_ns: int | None = None, ctime_ns: int | None = None) -> Inode:
+                mtime_ns: int | None = None, ctime_ns: int | None = None,
+                caller_uid: int = 0) -> Inode:
         now = time.time_ns()
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
             if not node.is_file:
                 raise FsError(errno.EINVAL)
+            if size > MAX_FILE_SIZE:
+                raise FsError(errno.EFBIG)
             if node.state == INCOMPLETE and size != 0:
                 # Keeping part of an interrupted write would seal it as good.
                 log.error("refusing to truncate %s to %d bytes: it is incomplete; "
@@ -232,6 +287,13 @@ class Filesystem:
             node.uid = uid
         if gid is not None:
             node.gid = gid
+        # What Linux does to set-id bits (with HANDLE_KILLPRIV_V2 the kernel leaves it
+        # to us): a chown of a non-directory clears them, whoever does it; a truncate
+        # by an unprivileged caller too. (setgid without group-execute marks mandatory
+        # locking and stays.)
+        chown = (uid is not None or gid is not None) and mode is None
+        if not node.is_dir and (chown or (size is not None and caller_uid != 0)):
+            node.mode = killed_privs(node.mode)
         if atime_ns is not None:
             node.atime_ns = atime_ns
         if mtime_ns is not None:
@@ -302,10 +364,11 @@ class Filesystem:
             self.ram.create(node.ino)
             self._seal_now(node, crc=0)
             return node
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        if stat.S_IFMT(mode) in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            # Metadata only: the mount is nodev (device nodes cannot be opened as
+            # devices) and FIFOs and sockets are local to a host's kernel.
             return self._new(parent_ino, name, mode, uid, gid, rdev=rdev)
-        # Device nodes make no sense in a checkpoint tree.
-        raise FsError(errno.EPERM)
+        raise FsError(errno.EINVAL)
 
     def readlink(self, node: Inode) -> bytes:
         if not stat.S_ISLNK(node.mode) or node.target is None:
@@ -339,13 +402,54 @@ class Filesystem:
             raise FsError(errno.ENOENT)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        path = self.ns.path_of(node)
+        path = self.ns.path_at(parent, name)
+        was_own = (node.parent, node.name) == (parent.ino, name)
         self.ns.unlink(parent, name)
-        self._removed(node, path)
+        self._name_gone(node, path, was_own)
+
+    def _name_gone(self, node: Inode, path: str, was_own: bool) -> None:
+        """A name of `node` was removed (unlink, or replaced by a rename): the file is
+        gone, or, hard-linked, lost one of its names."""
+        if node.linked:
+            if self.uploader is not None:
+                self.uploader.on_name_removed(node, path, was_own)
+            if self.peers is not None:
+                self.peers.on_changed(node)
+        else:
+            self._removed(node, path)
         self._maybe_drop(node)
 
-    def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
-               flags: int) -> None:
+    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                     new_name: bytes, flags: int) -> None:
+        node = self._rename(old_parent_ino, old_name, new_parent_ino, new_name, flags)
+        if node is not None and self.commits(node):
+            # The commit of a step (a marker under its final name, or a step directory
+            # renamed into place): every live peer has it when rename() returns.
+            await self._visible(node, "commit by rename of")
+
+    def commits(self, node: Inode) -> bool:
+        """Whether `node` under its current name completes a step: a commit marker in a
+        committed step, or a directory that is (or holds) a committed step."""
+        if not node.linked:
+            return False
+        if node.is_dir:
+            return any(self.rules.is_committed_step(self.ns, d)
+                       for d in (node, *dirs_under(self.ns, node)))
+        return (self.rules.is_marker_name(node.name)
+                and self.rules.is_committed_step(self.ns, self.ns.inodes[node.parent]))
+
+    async def _visible(self, node: Inode, what: str) -> None:
+        await self.visibility.wait_applied(
+            f"{what} {self.ns.path_of(node) if node.linked else node.guid}", node)
+
+    async def fsyncdir(self, node: Inode) -> None:
+        """Every entry of the directory (and all this host published before) is
+        applied on every live peer when the call returns."""
+        await self._visible(node, "fsync of directory")
+
+    def _rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                new_name: bytes, flags: int) -> Inode | None:
+        """The rename itself; returns the node moved (None when nothing moved)."""
         old_parent = self._dir(old_parent_ino)
         new_parent = self._dir(new_parent_ino)
         self._check_name(new_name)
@@ -363,7 +467,7 @@ class Filesystem:
             if target.is_dir and self.ns.is_ancestor(target, old_parent):
                 raise FsError(errno.EINVAL)
             if target is node:
-                return
+                return None
             paths = (self.ns.path_of(node), self.ns.path_of(target))
             self.ns.rename(old_parent, old_name, new_parent, new_name, exchange=True)
             if self.uploader is not None:
@@ -371,12 +475,12 @@ class Filesystem:
                 self.uploader.on_renamed(target, paths[1])
             if self.peers is not None:
                 self.peers.on_changed(node, target)
-            return
+            return node
         if target is not None:
             if flags & RENAME_NOREPLACE:
                 raise FsError(errno.EEXIST)
             if target is node:
-                return
+                return None
             if node.is_dir and not target.is_dir:
                 raise FsError(errno.ENOTDIR)
             if not node.is_dir and target.is_dir:
@@ -384,44 +488,67 @@ class Filesystem:
             if target.is_dir and target.children:
                 raise FsError(errno.ENOTEMPTY)
         old_path = self.ns.path_of(node)
-        target_path = self.ns.path_of(target) if target is not None else ""
+        target_own = target is not None and (target.parent, target.name) == (new_parent.ino,
+                                                                              new_name)
+        target_path = self.ns.path_at(new_parent, new_name)
         replaced = self.ns.rename(old_parent, old_name, new_parent, new_name)
         if replaced is not None:
-            self._removed(replaced, target_path)
-            self._maybe_drop(replaced)
+            self._name_gone(replaced, target_path, target_own)
         if self.uploader is not None:
             self.uploader.on_renamed(node, old_path)
         if self.peers is not None:
             self.peers.on_changed(node)
+        return node
 
     def link(self, node: Inode, new_parent_ino: int, new_name: bytes) -> Inode:
-        # One parent per inode keeps every file's path (its key on peers and
-        # in the bucket) well defined; checkpointers do not use hard links.
-        raise FsError(errno.EPERM)
+        """A hard link: one inode, one more name. The file keeps the path it is known
+        by (its key on peers and in the bucket); the durable tier stores each further
+        name as an object of its own (see Uploader.sync_links)."""
+        parent = self._dir(new_parent_ino)
+        self._check_name(new_name)
+        if node.is_dir:
+            raise FsError(errno.EPERM)
+        if not node.linked or node.stale:
+            raise FsError(errno.ENOENT)
+        if new_name in (parent.children or {}):
+            raise FsError(errno.EEXIST)
+        self.ns.link(node, parent, new_name)
+        node.lookups += 1
+        if self.uploader is not None and node.is_file:
+            self.uploader.sync_links(node)
+        if self.peers is not None:
+            self.peers.on_changed(node)
+        return node
 
     def opendir(self, node: Inode) -> int:
         """A directory handle holds a snapshot of the names, so a long listing
         is consistent and each readdir call continues where the last stopped."""
+        if node.stale:
+            raise FsError(errno.ESTALE)
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
         assert node.children is not None
         fh = self._next_fh
         self._next_fh += 1
-        self.dir_handles[fh] = sorted(node.children.items())
+        self.dir_handles[fh] = (node, sorted(node.children.items()))
         return fh
 
     def readdir(self, fh: int, start: int) -> list[tuple[int, bytes, Inode]]:
         """Entries from index `start` on, skipping those removed since opendir."""
-        listing = self.dir_handles.get(fh)
-        if listing is None:
-            raise FsError(errno.EBADF)
+        d, listing = self.dir_handle(fh)
         out = []
         for i in range(start, len(listing)):
             name, ino = listing[i]
             node = self.ns.get(ino)
-            if node is not None and node.linked:
+            if node is not None and node.linked and (d.children or {}).get(name) == ino:
                 out.append((i + 1, name, node))
         return out
+
+    def dir_handle(self, fh: int) -> tuple[Inode, list[tuple[bytes, int]]]:
+        h = self.dir_handles.get(fh)
+        if h is None:
+            raise FsError(errno.EBADF)
+        return h
 
     def releasedir(self, fh: int) -> None:
         self.dir_handles.pop(fh, None)
@@ -434,9 +561,11 @@ class Filesystem:
         self.ram.create(node.ino)
         node.dirty = True
         self._crc[node.ino] = StreamingCrc()
-        return self._open_handle(node, flags), node
+        return self._open_handle(node, flags, uid), node
 
-    async def open(self, node: Inode, flags: int) -> int:
+    async def open(self, node: Inode, flags: int, uid: int = 0) -> int:
+        if node.stale:
+            raise FsError(errno.ESTALE)  # the kernel retries with a fresh lookup
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if not node.is_file:
@@ -453,7 +582,7 @@ class Filesystem:
                 raise FsError(errno.EIO)
             # Start fetching now; reads wait for the ranges they need.
             self.readthrough.start(node)
-        fh = self._open_handle(node, flags)
+        fh = self._open_handle(node, flags, uid)
         if writable and not node.has_data:
             try:
                 await self.open_for_write(node)
@@ -462,14 +591,14 @@ class Filesystem:
                 raise
         return fh
 
-    def _open_handle(self, node: Inode, flags: int) -> int:
+    def _open_handle(self, node: Inode, flags: int, uid: int = 0) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         node.last_access = time.monotonic()
         fd = self.ram.acquire(node.ino)
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND),
-                                  bool(flags & (os.O_SYNC | os.O_DSYNC)))
+                                  bool(flags & (os.O_SYNC | os.O_DSYNC)), uid)
         node.opens += 1
         if writable:
             node.writers += 1
@@ -501,6 +630,10 @@ class Filesystem:
             self._mark_dirty(node)
         if h.append:
             off = node.size
+        if off + len(buf) > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG)
+        if node.mode & SETID and h.uid != 0:
+            self._kill_privs(node)
         try:
             n = self.ram.write(node.ino, h.fd, off, buf, node.size)
         except RamTierFull as e:
@@ -555,6 +688,16 @@ class Filesystem:
             except OSError:
                 raise FsError(errno.EIO) from None
 
+    def _kill_privs(self, node: Inode) -> None:
+        """A write by an unprivileged opener clears the set-id bits (as Linux does)."""
+        mode = killed_privs(node.mode)
+        if mode != node.mode:
+            node.mode = mode
+            node.ctime_ns = time.time_ns()
+            with self.ns.store.transaction():
+                self.ns.persist(node)
+            self.kernel.attrs(node.ino)
+
     def _crc_for(self, node: Inode) -> StreamingCrc:
         crc = self._crc.get(node.ino)
         if crc is None:
@@ -582,28 +725,42 @@ class Filesystem:
     async def flush(self, fh: int) -> None:
         """close(): the kernel has written back this file's dirty pages. Seal
         now if this is the last writer, so close() returns only once the
-        file's state and crc32c are recorded."""
+        file's state and crc32c are recorded; then, for a file that was fsynced,
+        a commit marker, or every file with --visibility close, wait until every
+        live peer has the seal."""
         h = self.handle(fh)
-        if h.writable and h.node.writers <= 1 and h.node.dirty:
-            await self.seal(h.node)
-        if h.sync and h.writable and not h.node.dirty:
-            await self._durable(h.node)
+        node = h.node
+        if not h.writable:
+            return
+        if node.writers <= 1 and node.dirty:
+            await self.seal(node)
+        if (node.fsynced or h.sync or self.visibility_mode == "close"
+                or self.commits(node)) and not node.dirty:
+            await self._visible(node, "close of")
+        if h.sync and not node.dirty:
+            await self._durable(node)
 
     async def fsync(self, fh: int) -> None:
+        """fsync(): seal what was written so far as a version, and return once every
+        live peer has it (whatever the level); then wait for the --fsync level."""
         h = self.handle(fh)
-        level = self.lifecycle.durability.level if self.lifecycle is not None else "local"
-        if level == "local" or h.sync:
-            # O_SYNC: the kernel sends an fsync after every write(); the level
-            # is paid once, at close (flush above).
-            if h.node.dirty:
+        node = h.node
+        if h.sync:
+            # O_SYNC: the kernel sends an fsync after every write(); visibility and
+            # the level are paid once, at close (flush above).
+            if node.dirty:
                 with self.ns.store.transaction():
-                    self.ns.persist(h.node)
+                    self.ns.persist(node)
             return
-        if h.node.dirty:
-            await self.seal(h.node)  # a version to replicate/upload: what was written so far
-            if h.node.dirty:
+        if node.dirty:
+            await self.seal(node)  # a version others can see: what was written so far
+            if node.dirty:
                 return  # written during the seal's pass: the next fsync/close seals it
-        await self._durable(h.node)
+        node.fsynced = True
+        await self._visible(node, "fsync of")
+        level = self.lifecycle.durability.level if self.lifecycle is not None else "local"
+        if level != "local":
+            await self._durable(node)
 
     async def _durable(self, node: Inode) -> None:
         if self.lifecycle is None:
@@ -626,6 +783,7 @@ class Filesystem:
         self.ram.release(node.ino)
         if node.opens == 0:
             self._crc.pop(node.ino, None)
+            node.fsynced = False
         self._maybe_drop(node)
 
     async def seal(self, node: Inode) -> None:
@@ -654,6 +812,7 @@ class Filesystem:
         node.state = CLOSED
         node.version += 1
         node.dirty = False
+        node.sealed_size = node.size
         node.holders = [self.node_id]
         node.writer = self.node_id
         node.cached = False

@@ -90,7 +90,7 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
-        return self.attrs(self.fs.node(inode))
+        return self.attrs(self.fs.attributes_of(inode))
 
     @fuse_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -104,6 +104,7 @@ class FuseOperations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
+            caller_uid=ctx.uid,
         )
         return self.attrs(node)
 
@@ -134,7 +135,7 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @fuse_errors
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -154,8 +155,11 @@ class FuseOperations(pyfuse3.Operations):
     async def releasedir(self, fh):
         self.fs.releasedir(fh)
 
+    @fuse_errors
     async def fsyncdir(self, fh, datasync):
-        pass  # every namespace change is already committed to the metadata store
+        # Namespace changes are committed to the metadata store as they happen; what
+        # is left is making them visible on every live peer.
+        await self.fs.fsyncdir(self.fs.dir_handle(fh)[0])
 
     @fuse_errors
     async def statfs(self, ctx):
@@ -212,7 +216,7 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode, flags, ctx):
-        fh = await self.fs.open(self.fs.node(inode), self._open_flags(flags))
+        fh = await self.fs.open(self.fs.node(inode), self._open_flags(flags), ctx.uid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def read(self, fh, off, size):

@@ -1,9 +1,9 @@
 """The namespace: inodes and directory entries, in memory, written through to
 the metadata store.
 
-Every lookup and listing is served from memory. Each inode has exactly one
-parent (hard links are refused), so a file's path in the job's tree — the
-key that peers and the durable tier use — is always known.
+Every lookup and listing is served from memory. An inode has one name it is
+known by (`parent`, `name`: its path, the key peers and the durable tier use)
+and, when hard-linked, further names (`links`); directories have exactly one.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class Inode:
     writer: str = ""
     holders: list[str] = field(default_factory=list)
     block_crcs: bytes | None = None
+    # Hard links: names besides (parent, name), in the order they were made.
+    links: list[tuple[int, bytes]] = field(default_factory=list)
     children: dict[bytes, int] | None = None
     subdirs: int = 0
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
@@ -66,6 +68,13 @@ class Inode:
     cached: bool = False  # the data here was read through (a cache copy, not a replica)
     last_access: float = 0.0  # time.monotonic() of the last open: caches are evicted LRU
     wseq: int = 0  # bumped by every write/truncate, to detect races with a seal
+    # Removed or replaced by another host's (or the bucket's) change: a name the kernel
+    # still caches for it is stale, and open/stat answer ESTALE so that the kernel
+    # looks the path up again (and finds the new file, or none).
+    stale: bool = False
+    copy_grace: float = 0.0  # another host copies it under its new name until then
+    fsynced: bool = False  # fsync'd since opened: its close waits until peers have it
+    sealed_size: int = 0  # size of the last sealed version (served while rewritten)
 
     @property
     def is_dir(self) -> bool:
@@ -83,7 +92,11 @@ class Inode:
     def nlink(self) -> int:
         if not self.linked:
             return 0  # removed (rmdir, unlink, replaced by rename) but still open
-        return 2 + self.subdirs if self.is_dir else 1
+        return 2 + self.subdirs if self.is_dir else 1 + len(self.links)
+
+    def names(self) -> list[tuple[int, bytes]]:
+        """Every (parent ino, name) this inode is reachable by, its own first."""
+        return [(self.parent, self.name), *self.links] if self.linked else []
 
     def row(self) -> InodeRow:
         return InodeRow(
@@ -148,13 +161,16 @@ class Namespace:
             self.inodes[r.ino] = ino
         self.inodes[ROOT].parent = ROOT
         reached = {ROOT}
-        for parent, name, child in self.store.load_dentries():
+        for parent, name, child, alias in self.store.load_dentries():
             p, c = self.inodes.get(parent), self.inodes.get(child)
-            if p is None or c is None or p.children is None:
+            if p is None or c is None or p.children is None or (alias and c.is_dir):
                 self.store.delete_dentry(parent, name)
                 continue
             p.children[name] = child
-            c.parent, c.name = parent, name
+            if child in reached and c.ino != ROOT:
+                c.links.append((parent, name))  # aliases sort after the own names
+            else:
+                c.parent, c.name = parent, name
             reached.add(child)
             if c.is_dir:
                 p.subdirs += 1
@@ -192,6 +208,16 @@ class Namespace:
             parts.append(node.name)
             node = self.inodes[node.parent]
         return b"/".join(reversed(parts)).decode("utf-8", "surrogateescape")
+
+    def path_at(self, parent: Inode, name: bytes) -> str:
+        """The path of `name` in directory `parent`."""
+        d = self.path_of(parent)
+        n = name.decode("utf-8", "surrogateescape")
+        return f"{d}/{n}" if d else n
+
+    def link_paths(self, node: Inode) -> list[str]:
+        """The paths of a hard-linked file's further names (see Inode.links)."""
+        return [self.path_at(self.inodes[p], n) for p, n in node.links]
 
     def is_ancestor(self, maybe_ancestor: Inode, node: Inode) -> bool:
         while True:
@@ -231,21 +257,54 @@ class Namespace:
         self.store.put_inode(node.row())
 
     def _attach(self, parent: Inode, name: bytes, node: Inode) -> None:
+        """Add the name: the node's own if it has none, else a further (hard) link."""
         assert parent.children is not None
         parent.children[name] = node.ino
-        node.parent, node.name, node.linked = parent.ino, name, True
+        alias = node.linked and not node.is_dir and (node.parent, node.name) != (parent.ino, name)
+        if alias:
+            node.links.append((parent.ino, name))
+        else:
+            node.parent, node.name, node.linked = parent.ino, name, True
         if node.is_dir:
             parent.subdirs += 1
-        self.store.put_dentry(parent.ino, name, node.ino)
+        self.store.put_dentry(parent.ino, name, node.ino, alias)
 
     def _detach(self, parent: Inode, name: bytes) -> Inode:
+        """Remove the name; a hard-linked node keeps its other names (the oldest
+        further link becomes the name it is known by)."""
         assert parent.children is not None
         node = self.inodes[parent.children.pop(name)]
-        node.linked = False
+        if (node.parent, node.name) == (parent.ino, name):
+            if node.links:
+                node.parent, node.name = node.links.pop(0)
+                self.store.put_dentry(node.parent, node.name, node.ino, False)
+            else:
+                node.linked = False
+        else:
+            node.links.remove((parent.ino, name))
         if node.is_dir:
             parent.subdirs -= 1
         self.store.delete_dentry(parent.ino, name)
         return node
+
+    def _move(self, old_parent: Inode, old_name: bytes, new_parent: Inode, new_name: bytes,
+              node: Inode) -> None:
+        """Rename one of the node's names in place (its own name stays its own)."""
+        assert old_parent.children is not None and new_parent.children is not None
+        if old_parent.children.get(old_name) == node.ino:
+            del old_parent.children[old_name]
+        new_parent.children[new_name] = node.ino
+        if (node.parent, node.name) == (old_parent.ino, old_name):
+            node.parent, node.name = new_parent.ino, new_name
+            alias = False
+        else:
+            node.links[node.links.index((old_parent.ino, old_name))] = (new_parent.ino, new_name)
+            alias = True
+        if node.is_dir and old_parent is not new_parent:
+            old_parent.subdirs -= 1
+            new_parent.subdirs += 1
+        self.store.delete_dentry(old_parent.ino, old_name)
+        self.store.put_dentry(new_parent.ino, new_name, node.ino, alias)
 
     def _touch_dir(self, d: Inode, now: int) -> None:
         d.mtime_ns = d.ctime_ns = now
@@ -268,26 +327,61 @@ class Namespace:
 
     def rename(self, old_parent: Inode, old_name: bytes, new_parent: Inode, new_name: bytes,
                exchange: bool = False) -> Inode | None:
-        """Move an entry; returns the inode it replaced (now unlinked), if any."""
+        """Move an entry; returns the inode it replaced (that name removed), if any."""
         now = time.time_ns()
+        assert old_parent.children is not None and new_parent.children is not None
         with self.store.transaction():
-            node = self._detach(old_parent, old_name)
+            node = self.inodes[old_parent.children[old_name]]
             replaced = None
             if exchange:
-                other = self._detach(new_parent, new_name)
-                self._attach(old_parent, old_name, other)
+                other = self.inodes[new_parent.children[new_name]]
+                del new_parent.children[new_name]
+                self._move(old_parent, old_name, new_parent, new_name, node)
+                # `other` takes the old name (its entry in new_parent is gone already).
+                new_parent.children[new_name] = node.ino
+                old_parent.children[old_name] = other.ino
+                if (other.parent, other.name) == (new_parent.ino, new_name):
+                    other.parent, other.name = old_parent.ino, old_name
+                    alias = False
+                else:
+                    other.links[other.links.index((new_parent.ino, new_name))] = (
+                        old_parent.ino, old_name)
+                    alias = True
+                if other.is_dir and old_parent is not new_parent:
+                    new_parent.subdirs -= 1
+                    old_parent.subdirs += 1
+                self.store.put_dentry(old_parent.ino, old_name, other.ino, alias)
                 other.ctime_ns = now
                 self.store.put_inode(other.row())
-            elif new_parent.children and new_name in new_parent.children:
-                replaced = self._detach(new_parent, new_name)
-                replaced.ctime_ns = now
-            self._attach(new_parent, new_name, node)
+            else:
+                if new_name in new_parent.children:
+                    replaced = self._detach(new_parent, new_name)
+                    replaced.ctime_ns = now
+                    if replaced.linked:
+                        self.store.put_inode(replaced.row())
+                self._move(old_parent, old_name, new_parent, new_name, node)
             node.ctime_ns = now
             self.store.put_inode(node.row())
             self._touch_dir(old_parent, now)
             if new_parent is not old_parent:
                 self._touch_dir(new_parent, now)
         return replaced
+
+    def link(self, node: Inode, parent: Inode, name: bytes) -> None:
+        """A further name for a (non-directory) node: a hard link."""
+        now = time.time_ns()
+        with self.store.transaction():
+            self._attach(parent, name, node)
+            node.ctime_ns = now
+            self.store.put_inode(node.row())
+            self._touch_dir(parent, now)
+
+    def unlink_all(self, node: Inode) -> list[tuple[Inode, bytes]]:
+        """Remove every name of the node; returns the (directory, name) pairs removed."""
+        removed = [(self.inodes[p], n) for p, n in node.names()]
+        for d, n in removed:
+            self.unlink(d, n)
+        return removed
 
     def set_xattr(self, node: Inode, name: bytes, value: bytes) -> None:
         node.xattrs[name] = value

@@ -20,6 +20,7 @@ from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.durability import Durability
 from mtcfs.lifecycle.retention import Retention
 from mtcfs.lifecycle.space import SpaceManager
+from mtcfs.lifecycle.withdrawal import Withdrawal
 
 if TYPE_CHECKING:
     import trio
@@ -47,6 +48,10 @@ class Lifecycle:
         self.durability = Durability(fs, self.copies, rules, opts.fsync, opts.fsync_timeout)
         self.retention = (Retention(fs, self.space, opts.keep_steps, opts.incomplete_grace)
                           if opts.keep_steps else None)
+        # With peers, a committed step whose file lost its last copy is withdrawn.
+        self.withdrawal = (Withdrawal(fs, self.copies, rules,
+                                      lambda: [p.node_id for p in peers.members.live()])
+                           if peers is not None else None)
         # (version, time sealed) of files sealed here, until replicated/persisted.
         self._sealed: dict[int, tuple[int, float]] = {}
         self._replicated: set[int] = set()
@@ -59,6 +64,8 @@ class Lifecycle:
     async def run(self, nursery: trio.Nursery) -> None:
         if self.retention is not None:
             nursery.start_soon(self.retention.run)
+        if self.withdrawal is not None:
+            nursery.start_soon(self.withdrawal.run)
 
     def _can_become_safe(self) -> bool:
         fs = self.fs
@@ -109,6 +116,12 @@ class Lifecycle:
         self._sealed.pop(ino, None)
         self._replicated.discard(ino)
 
+    def on_peers_changed(self) -> None:
+        """A peer came or went (its copies count, or no longer do), or a remote change
+        arrived (holders may have dropped a copy)."""
+        if self.withdrawal is not None:
+            self.withdrawal.kick()
+
     def _kick(self) -> None:
         self.space.changed()
         self.durability.changed()
@@ -125,4 +138,5 @@ class Lifecycle:
             "last_replication_lag": self.last_replication_lag,
             "last_persist_lag": self.last_persist_lag,
             "unreplicated_tracked": len(self._sealed) - len(self._replicated),
+            **(self.withdrawal.status() if self.withdrawal is not None else {}),
         }

@@ -19,6 +19,7 @@ import trio
 
 from mtcfs.fs.namespace import OPEN, ROOT
 from mtcfs.lifecycle.space import SpaceManager, step_view
+from mtcfs.lifecycle.withdrawal import SUFFIX as WITHDRAWN_SUFFIX
 from mtcfs.persist.steps import dirs_under, files_under, step_number
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class Retention:
             d = fs.ns.get(ino)
             if d is None or not d.is_dir or rules.is_committed_step(fs.ns, d):
                 continue
+            if d.name.endswith(WITHDRAWN_SUFFIX.encode()):
+                continue  # a withdrawn step: kept as evidence
             n = step_number(d.name)
             if n is None or n >= newest:
                 continue

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS dentries (
     parent INTEGER NOT NULL,
     name BLOB NOT NULL,
     ino INTEGER NOT NULL,
+    alias INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (parent, name)
 );
 CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
@@ -87,6 +88,10 @@ _MIGRATIONS = {
         "ALTER TABLE inodes ADD COLUMN writer TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE inodes ADD COLUMN holders TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE inodes ADD COLUMN block_crcs BLOB",
+    ],
+    3: [
+        # 1 for a hard link's further names; 0 for the name an inode is known by.
+        "ALTER TABLE dentries ADD COLUMN alias INTEGER NOT NULL DEFAULT 0",
     ],
 }
 
@@ -175,8 +180,10 @@ class MetaStore:
             r.has_data = bool(r.has_data)
             yield r
 
-    def load_dentries(self) -> Iterator[tuple[int, bytes, int]]:
-        yield from self.db.execute("SELECT parent, name, ino FROM dentries")
+    def load_dentries(self) -> Iterator[tuple[int, bytes, int, bool]]:
+        for parent, name, ino, alias in self.db.execute(
+                "SELECT parent, name, ino, alias FROM dentries ORDER BY alias, parent, name"):
+            yield parent, name, ino, bool(alias)
 
     def load_xattrs(self) -> Iterator[tuple[int, bytes, bytes]]:
         yield from self.db.execute("SELECT ino, name, value FROM xattrs")
@@ -216,8 +223,9 @@ class MetaStore:
             self.db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
             self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
 
-    def put_dentry(self, parent: int, name: bytes, ino: int) -> None:
-        self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?)", (parent, name, ino))
+    def put_dentry(self, parent: int, name: bytes, ino: int, alias: bool = False) -> None:
+        self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?,?)",
+                        (parent, name, ino, int(alias)))
 
     def delete_dentry(self, parent: int, name: bytes) -> None:
         self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))

@@ -57,6 +57,9 @@ class Hooks:
     def attrs_changed(self, node: Inode) -> None:
         """A remote change updated this node's attributes: drop the kernel's copy."""
 
+    def moved(self, node: Inode) -> None:
+        """A remote change moved this node (a rename elsewhere)."""
+
 
 def stamp_of(node: Inode) -> tuple[int, str]:
     return (node.lamport, node.writer)
@@ -81,6 +84,9 @@ class ReplicatedIndex:
         self.stats = Stats()
         self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
         self.touched: list[Inode] = []  # nodes the last apply() created or changed
+        # Nodes the last apply() said this host holds, which it does not: the tier
+        # announces that (a replacement host with the same node id has none).
+        self.disowned: list[Inode] = []
 
     # -- local changes -------------------------------------------------------------
 
@@ -118,6 +124,19 @@ class ReplicatedIndex:
                 e.dropped.append(dropped)
             self.outbox([e])
 
+    def publish_ancestors(self, node: Inode) -> None:
+        """Send `node`'s directories again where another host made them: a peer that
+        has not heard of them yet (the other host's broadcast is still on its way)
+        could not apply this host's change below them before it does."""
+        out = []
+        d = self.ns.inodes.get(node.parent)
+        while d is not None and d.ino != ROOT:
+            if d.writer and d.writer != self.node_id and self.visible(d):
+                out.append(self.entry_of(d))
+            d = self.ns.inodes.get(d.parent)
+        if out:
+            self.outbox(out[::-1])  # parents first
+
     @staticmethod
     def visible(node: Inode) -> bool:
         """Other hosts see directories, symlinks and sealed files (not ones being written)."""
@@ -133,6 +152,7 @@ class ReplicatedIndex:
             size=node.size, version=node.version, holders=node.holders,
             lamport=node.lamport, writer=node.writer,
             persisted_version=node.persisted_version, generation=node.generation,
+            rdev=node.rdev,
         )
         if node.target is not None:
             e.target = node.target
@@ -140,6 +160,8 @@ class ReplicatedIndex:
             e.has_crc, e.crc32c = True, node.crc32c
         if node.block_crcs is not None:
             e.block_crcs = node.block_crcs
+        for p, n in node.links:
+            e.links.append(pb.Link(parent=self.ns.inodes[p].guid, name=n))
         return e
 
     # -- snapshots -------------------------------------------------------------------
@@ -147,12 +169,15 @@ class ReplicatedIndex:
     def snapshot(self) -> Iterator[pb.Entry]:
         """Every visible entry, parents before children, then the tombstones."""
         todo = [ROOT]
+        sent: set[int] = set()  # a hard-linked file is under several directories
         while todo:
             d = self.ns.inodes[todo.pop()]
             assert d.children is not None
             for ino in d.children.values():
                 node = self.ns.inodes[ino]
-                if self.visible(node):
+                if self.visible(node) and ino not in sent:
+                    if node.links:
+                        sent.add(ino)
                     yield self.entry_of(node)
                 if node.is_dir:
                     todo.append(ino)
@@ -167,6 +192,7 @@ class ReplicatedIndex:
         """Apply a batch from a peer (in the trio thread). Returns how many changed us."""
         applied = 0
         self.touched = []
+        self.disowned = []
         with self.ns.store.transaction():
             for e in entries:
                 self.clock = max(self.clock, e.lamport)
@@ -219,10 +245,20 @@ class ReplicatedIndex:
         return True
 
     def _unlink(self, node: Inode) -> None:
-        parent = self.ns.inodes[node.parent]
-        self.ns.unlink(parent, node.name)
-        self.hooks.invalidate(parent, node.name, node)
+        """Every name of the node goes (a removal, or new content elsewhere)."""
+        for parent, name in self.ns.unlink_all(node):
+            self.hooks.invalidate(parent, name, node)
         self.hooks.removed(node)
+
+    def _take_name(self, parent: Inode, name: bytes, node: Inode) -> None:
+        """A remote change puts something else at `name`: `node` loses that name (a
+        hard-linked node keeps its others)."""
+        self.ns.unlink(parent, name)
+        self.hooks.invalidate(parent, name, node)
+        if node.linked:
+            self.hooks.attrs_changed(node)
+        else:
+            self.hooks.removed(node)
 
     def _tombstone(self, gid: str, lam: int, writer: str) -> None:
         old = self.tombstones.get(gid)
@@ -248,13 +284,14 @@ class ReplicatedIndex:
                 return False
             if existing.lamport:  # not merely known from the bucket listing
                 self.stats.conflicts += 1
-            self._unlink(existing)
+            self._take_name(parent, e.name, existing)
         node = self.ns.new_inode(parent, e.name, e.mode, e.uid, e.gid,
                                  target=e.target if stat.S_ISLNK(e.mode) else None,
-                                 global_id=e.id)
+                                 rdev=e.rdev, global_id=e.id)
         self._set_attrs(node, e)
         if node.is_file:
             self._set_content(node, e)
+        self._sync_links(node, e)
         self.ns.persist(node)
         self.touched.append(node)
         self.hooks.invalidate(parent, e.name, None)
@@ -264,6 +301,8 @@ class ReplicatedIndex:
 
     def _update(self, node: Inode, parent: Inode, e: pb.Entry) -> bool:
         if stamp_of(node) >= entry_stamp(e):
+            if stamp_of(node) == entry_stamp(e):
+                self._sync_links(node, e)  # e.g. a link's directory arrived meanwhile
             if node.is_file and self._same_content(node, e):
                 return self._merge_holders(node, e)
             self.stats.ignored += 1
@@ -281,11 +320,12 @@ class ReplicatedIndex:
                 if existing.is_dir and existing.children:
                     self.stats.conflicts += 1
                     return False
-                self._unlink(existing)
+                self._take_name(parent, e.name, existing)
             old_parent, old_name = self.ns.inodes[node.parent], node.name
             self.ns.rename(old_parent, old_name, parent, e.name)
             self.hooks.invalidate(old_parent, old_name, node)
             self.hooks.invalidate(parent, e.name, None)
+            self.hooks.moved(node)
         if node.is_file and not self._same_content(node, e):
             node = self._replace(node, e)
         else:
@@ -293,9 +333,46 @@ class ReplicatedIndex:
         self._set_attrs(node, e)
         if node.is_file:
             self._set_content(node, e)
+        self._sync_links(node, e)
         self.ns.persist(node)
         self.touched.append(node)
         return True
+
+    def _sync_links(self, node: Inode, e: pb.Entry) -> None:
+        """Make the node's further names (hard links) those of the entry."""
+        if node.is_dir or (not e.links and not node.links):
+            return
+        want: list[tuple[int, bytes]] = []
+        for link in e.links:
+            d = self.ns.by_global_id(self.resolve(link.parent))
+            if d is None or not d.linked or not d.is_dir:
+                # That directory has not reached us yet: try again when it does.
+                if sum(len(v) for v in self.pending.values()) < MAX_PENDING:
+                    self.pending.setdefault(self.resolve(link.parent), []).append(e)
+                continue
+            want.append((d.ino, link.name))
+        changed = False
+        for p, n in list(node.links):
+            if (p, n) not in want:
+                d = self.ns.inodes[p]
+                self.ns.unlink(d, n)
+                self.hooks.invalidate(d, n, node)
+                changed = True
+        for p, n in want:
+            if (p, n) in node.links or (p, n) == (node.parent, node.name):
+                continue
+            d = self.ns.inodes[p]
+            existing = self.ns.child(d, n)
+            if existing is not None:
+                if existing.is_dir or stamp_of(existing) >= entry_stamp(e):
+                    self.stats.conflicts += 1
+                    continue
+                self._take_name(d, n, existing)
+            self.ns.link(node, d, n)
+            self.hooks.invalidate(d, n, None)
+            changed = True
+        if changed:
+            self.hooks.attrs_changed(node)  # nlink
 
     @staticmethod
     def _same_content(node: Inode, e: pb.Entry) -> bool:
@@ -308,6 +385,8 @@ class ReplicatedIndex:
         new = [h for h in e.holders if h not in node.holders and h != self.node_id]
         gone = [h for h in e.dropped if h in node.holders and h not in e.holders
                 and h != self.node_id]
+        if self.node_id in e.holders and not node.has_data and self.node_id not in e.dropped:
+            self.disowned.append(node)
         persisted = (node.persisted_version < e.persisted_version == node.version)
         if not new and not persisted and not gone:
             return False
@@ -346,6 +425,8 @@ class ReplicatedIndex:
         node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
         node.persisted_version, node.generation = e.persisted_version, e.generation
         if fresh:
+            if self.node_id in e.holders:
+                self.disowned.append(node)
             node.holders = [h for h in e.holders if h != self.node_id]
             if node.has_data:
                 self.hooks.forget_data(node)

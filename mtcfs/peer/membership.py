@@ -46,6 +46,11 @@ class Peer:
     checking: bool = False
     next_check: float = 0.0
 
+    @property
+    def known_dead(self) -> bool:
+        """Not alive and failed enough checks in a row: commits stop waiting for it."""
+        return not self.alive and self.failures >= DEAD_AFTER
+
     def describe(self) -> dict[str, object]:
         return {
             "address": self.addr,
@@ -71,6 +76,8 @@ class Membership:
         self._file_mtime = 0.0
         self.on_alive: Callable[[Peer], None] = lambda p: None
         self.on_dead: Callable[[Peer], None] = lambda p: None
+        # Any change in whether commits wait for a peer (alive, dead, found unreachable).
+        self.on_change: Callable[[Peer], None] = lambda p: None
         self.health_request: Callable[[], pb.HealthRequest] = pb.HealthRequest
         self._limiter = trio.CapacityLimiter(64)
         self._nursery: trio.Nursery | None = None
@@ -100,6 +107,7 @@ class Membership:
                 p.removed = True
                 p.channel.close()
                 log.info("peer %s removed", addr)
+                self.on_change(p)
 
     def _connect(self, addr: str) -> Peer:
         channel = security.open_channel(addr, self.tls)
@@ -146,19 +154,44 @@ class Membership:
             self.failed(p, "same node id", dead_now=True)
             return False
         p.node_id, p.domain, p.ram_free = reply.node_id, reply.failure_domain, reply.ram_free
+        self._alive(p)
+        return True
+
+    def _alive(self, p: Peer) -> None:
         p.failures, p.last_ok = 0, time.time()
         if not p.alive:
             p.alive = True
             log.info("peer %s (%s) is alive", p.addr, p.node_id)
             self.on_alive(p)
-        return True
+            self.on_change(p)
+
+    def mark_alive(self, addr: str, node_id: str) -> None:
+        """A peer at `addr` is pulling our snapshot: it is up, and from this moment
+        every commit here waits for it (what it pulls misses nothing committed later)."""
+        p = self.peers.get(addr)
+        if p is None or p.removed or (p.node_id and p.node_id != node_id):
+            return
+        if node_id == self.node_id:
+            return
+        p.node_id = node_id
+        self._alive(p)
 
     def failed(self, p: Peer, why: str, dead_now: bool = False) -> None:
+        was_dead = p.known_dead
         p.failures = DEAD_AFTER if dead_now else p.failures + 1
         if p.alive and p.failures >= DEAD_AFTER:
             p.alive = False
             log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
             self.on_dead(p)
+            self.on_change(p)
+        elif p.known_dead and not was_dead:
+            log.info("peer %s has not answered %d checks: treated as dead until it does (%s)",
+                     p.addr, DEAD_AFTER, why)
+            self.on_change(p)
+
+    def unresolved(self) -> list[Peer]:
+        """Configured peers neither alive nor known dead (e.g. not yet reached)."""
+        return [p for p in self.peers.values() if not p.alive and not p.known_dead]
 
     def needs_poke(self, addr: str) -> bool:
         """Called from a gRPC thread: only a peer we think is down needs the trio thread."""

@@ -24,11 +24,13 @@ MAX_PATH = 4096
 MAX_ID = 64
 MAX_NODE_ID = 63
 MAX_ENTRIES_PER_BATCH = 10_000
-MAX_BLOCK_CRCS = 4 * (1 << 20)  # 4 MiB of crcs: files up to 4 PiB in 4 MiB blocks
+MAX_BLOCK_CRCS = 4 * (1 << 20)  # 4 MiB of crcs: files up to 4 TiB in 4 MiB blocks
+MAX_LINKS = 1024  # further names of a hard-linked file
 MAX_MESSAGE = 16 << 20
 MAX_COUNTER = 1 << 62
-# What the filesystem makes (mknod refuses device nodes).
-ENTRY_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK)
+# What the filesystem makes (device nodes are inert: mounts are nodev).
+ENTRY_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
+               stat.S_IFCHR, stat.S_IFBLK)
 
 
 class BadRequest(ValueError):
@@ -146,6 +148,13 @@ def check_entry(e: pb.Entry) -> None:
         check_node_id(h, "holder")
     if len(e.block_crcs) > MAX_BLOCK_CRCS or len(e.block_crcs) % 4:
         raise BadRequest("bad block crcs")
+    if len(e.links) > MAX_LINKS or (e.links and stat.S_ISDIR(e.mode)):
+        raise BadRequest("too many links, or links of a directory")
+    for link in e.links:
+        check_id(link.parent, "link parent id")
+        check_name(link.name)
+        if link.parent == e.id:
+            raise BadRequest("a link inside the linked entry")
     if e.id == e.parent:
         raise BadRequest("an entry cannot be its own parent")
 

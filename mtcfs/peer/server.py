@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+KERNEL_SETTLE = 0.1  # seconds a broadcast's reply waits for its kernel notifications
 SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
 
 
@@ -76,11 +77,29 @@ class PeerService(pb_grpc.PeerServicer):
             applied = self._in_trio(self.tier.on_batch, request)
         except Exception as e:
             self._fail(context, e)
+        # The acknowledgement says "applied here": let the kernel drop the names it
+        # caches first (bounded: a notification can wait for a directory lock that a
+        # local commit holds while it waits for the sender; see mtcfs.fs.kernel).
+        self.tier.kernel_settle(KERNEL_SETTLE)
         return pb.BatchReply(applied=applied, lamport=self.tier.index.clock)
 
     def Snapshot(self, request: pb.SnapshotRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.ChangeBatch]:
-        entries = self._in_trio(lambda: list(self.tier.index.snapshot()))
+        try:
+            if request.from_node:
+                security.check_node_id(request.from_node, "requester")
+            if len(request.listen) > 300:
+                raise BadRequest("listen address too long")
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        def take() -> list[pb.Entry]:
+            # In the trio thread, so nothing is committed between the two steps: the
+            # requester counts for commits from this snapshot on.
+            self.tier.serving_snapshot(request.from_node, request.listen)
+            return list(self.tier.index.snapshot())
+
+        entries = self._in_trio(take)
         for i in range(0, len(entries), SNAPSHOT_BATCH):
             yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.index.clock,
                                  entries=entries[i:i + SNAPSHOT_BATCH])

@@ -31,6 +31,7 @@ import trio
 from mtcfs.fs.namespace import CLOSED, Inode, Namespace
 from mtcfs.integrity import BlockVerifier, IntegrityError
 from mtcfs.peer import mover, placement
+from mtcfs.peer.dissemination import Broadcaster, SendFailed
 from mtcfs.peer.index import Hooks, ReplicatedIndex
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.security import BadRequest, check_entry
@@ -43,8 +44,7 @@ log = logging.getLogger(__name__)
 BROADCAST_TIMEOUT = 5.0
 SNAPSHOT_TIMEOUT = 60.0
 STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
-MAX_BATCH = 500  # entries per broadcast: each batch is applied in one go
-MAX_QUEUE = 200_000
+MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between slices)
 REPLICATION_WORKERS = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
@@ -64,8 +64,6 @@ class Stats:
     fetched_bytes: int = 0
     fetch_failures: int = 0
     integrity_errors: int = 0
-    batches_sent: int = 0
-    entries_sent: int = 0
     batches_received: int = 0
     snapshots_pulled: int = 0
     last_error: str = ""
@@ -86,7 +84,7 @@ class PeerTier(Hooks):
     def __init__(self, ns: Namespace, ram: RamTier, node_id: str, listen: str,
                  peers: list[str], peers_file: str | None, replicas: int,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None = None,
-                 failure_domain: str = "") -> None:
+                 failure_domain: str = "", commit_timeout: float = 10.0) -> None:
         self.ns = ns
         self.ram = ram
         self.node_id = node_id
@@ -95,19 +93,19 @@ class PeerTier(Hooks):
         self.secret = secret
         self.tls = tls
         self.failure_domain = failure_domain
+        self.commit_timeout = commit_timeout
         self.index = ReplicatedIndex(ns, node_id, self)
-        self.index.outbox = self._send
         self.members = Membership(listen, node_id, peers, peers_file, secret, tls)
         self.members.on_alive = self._on_alive
         self.members.on_dead = self._on_dead
         self.members.health_request = lambda: pb.HealthRequest(
             from_node=node_id, lamport=self.index.clock, listen=listen)
+        self.broadcaster = Broadcaster(self.members, self._send_batch, commit_timeout)
+        self.members.on_change = lambda p: self.broadcaster.kick()
+        self.index.outbox = self.broadcaster.publish
         self.stats = Stats()
         self.server: grpc.Server | None = None
         self.port = 0
-        self._queues: dict[str, list[pb.Entry]] = {}
-        self._sending: set[str] = set()
-        self._wake_broadcast = trio.Event()
         self.repl_queue: dict[int, Inode] = {}
         self.replicating: dict[int, Inode] = {}
         self._wake_repl = trio.Event()
@@ -119,8 +117,12 @@ class PeerTier(Hooks):
         # change touched; unlinked nodes are dropped once nothing uses them.
         self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
         self.removed_hook: Callable[[Inode], None] | None = None
-        self.attrs_hook: Callable[[int], None] | None = None  # blocking: run in a thread
+        self.attrs_hook: Callable[[int], None] | None = None
+        # Waits (bounded) until the kernel has been told about the changes applied so
+        # far; called in a gRPC thread before a broadcast is acknowledged.
+        self.kernel_settle: Callable[[float], bool] = lambda timeout: True
         self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
+        self.on_moved: Callable[[Inode], None] = lambda node: None
         # The lifecycle sets these: a file gained a peer copy (fsync waiters, lag
         # metrics); a file retention evicted everywhere needs no more replicas;
         # room for an incoming replica may be made by evicting safe data.
@@ -136,13 +138,25 @@ class PeerTier(Hooks):
     # -- start-up --------------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Listen, find the live peers and pull their snapshots (before the mount
-        is announced live, so a new host sees the whole tree at once)."""
+        """Listen, wait until every configured peer answered or was found dead (bounded
+        by the commit timeout), and pull the live ones' snapshots: before the mount is
+        announced live, so a new host sees the whole tree at once and its first commit
+        waits for every peer that is up."""
         self._nursery = nursery
         self.server, self.port = start_server(self, self.listen,
                                               trio.lowlevel.current_trio_token(),
                                               self.secret, self.tls)
         await self.members.check_all()
+        with trio.move_on_after(self.commit_timeout):
+            while self.members.unresolved():
+                await trio.sleep(0.1)
+                async with trio.open_nursery() as n:
+                    for p in self.members.unresolved():
+                        n.start_soon(self.members.check, p)
+        for p in self.members.unresolved():
+            log.warning("peer %s has not answered within %.0f s of starting: going live without "
+                        "its snapshot; commits wait for it until it answers or is found dead",
+                        p.addr, self.commit_timeout)
         async with trio.open_nursery() as n:
             for p in self.members.live():
                 n.start_soon(self.catch_up, p)
@@ -150,7 +164,7 @@ class PeerTier(Hooks):
         self._requeue_unreplicated()
         nursery.start_soon(self.members.run)
         nursery.start_soon(self._share_write_clock)
-        nursery.start_soon(self._broadcast_loop)
+        nursery.start_soon(self.broadcaster.run)
         for _ in range(REPLICATION_WORKERS):
             nursery.start_soon(self._replication_worker)
 
@@ -165,8 +179,6 @@ class PeerTier(Hooks):
         if self._started and self._nursery is not None:
             # Back after a restart or a partition: merge what it has that we missed.
             self._nursery.start_soon(self.catch_up, p)
-        if self._queues.get(p.addr):
-            self._wake_broadcast.set()  # changes queued while it was down: send them now
         self._requeue_unreplicated()
 
     def _on_dead(self, p: Peer) -> None:
@@ -174,8 +186,10 @@ class PeerTier(Hooks):
 
     async def catch_up(self, p: Peer) -> None:
         def pull() -> tuple[list[pb.Entry], int]:
-            call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id),
-                                   timeout=SNAPSHOT_TIMEOUT, metadata=self.members.metadata)
+            call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id,
+                                                      listen=self.listen),
+                                   timeout=SNAPSHOT_TIMEOUT, metadata=self.members.metadata,
+                                   wait_for_ready=True)
             good, bad = [], 0
             for batch in call:
                 for e in batch.entries:
@@ -196,8 +210,7 @@ class PeerTier(Hooks):
         applied = 0
         # In slices, so that FUSE requests are served between them.
         for i in range(0, len(entries), MAX_BATCH):
-            applied += self.index.apply(entries[i:i + MAX_BATCH])
-            self.on_remote(self.index.touched)
+            applied += self._apply(entries[i:i + MAX_BATCH])
             await trio.sleep(0)
         self.stats.snapshots_pulled += 1
         log.info("caught up with %s (%s): %d entries, %d applied", p.addr, p.node_id,
@@ -218,10 +231,12 @@ class PeerTier(Hooks):
         if self.removed_hook is not None:
             self.removed_hook(node)
 
+    def moved(self, node: Inode) -> None:
+        self.on_moved(node)
+
     def attrs_changed(self, node: Inode) -> None:
-        if self.attrs_hook is not None and self._nursery is not None:
-            self._nursery.start_soon(partial(trio.to_thread.run_sync, self.attrs_hook,
-                                             node.ino, abandon_on_cancel=True))
+        if self.attrs_hook is not None:
+            self.attrs_hook(node.ino)
 
     # -- notifications from the filesystem ------------------------------------------
 
@@ -241,65 +256,49 @@ class PeerTier(Hooks):
 
     # -- broadcast -------------------------------------------------------------------
 
-    def _send(self, entries: list[pb.Entry]) -> None:
-        for addr in self.members.peers:
-            q = self._queues.setdefault(addr, [])
-            if len(q) + len(entries) > MAX_QUEUE:
-                q.clear()  # it will catch up from a snapshot when it is back
-            q.extend(entries)
-        self._wake_broadcast.set()
-
-    async def _broadcast_loop(self) -> None:
-        assert self._nursery is not None
-        while True:
-            await self._wake_broadcast.wait()
-            self._wake_broadcast = trio.Event()
-            for addr, q in list(self._queues.items()):
-                p = self.members.peers.get(addr)
-                if p is None:
-                    del self._queues[addr]
-                elif q and addr not in self._sending and p.alive:
-                    self._sending.add(addr)
-                    self._nursery.start_soon(self._flush, p)
-
-    async def _flush(self, p: Peer) -> None:
+    async def _send_batch(self, p: Peer, batch: list[pb.Entry]) -> None:
+        msg = pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock, entries=batch)
         try:
-            while p.alive and not p.removed:
-                q = self._queues.get(p.addr)
-                if not q:
-                    return
-                batch = q[:MAX_BATCH]
-                msg = pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock,
-                                     entries=batch)
-                try:
-                    await trio.to_thread.run_sync(
-                        partial(p.stub.Broadcast, msg, timeout=BROADCAST_TIMEOUT,
-                                metadata=self.members.metadata),
-                        limiter=self._limiter)
-                except grpc.RpcError as e:
-                    self.members.failed(p, f"broadcast: {e.code().name}")
-                    await trio.sleep(0.2)
-                    continue
-                del q[:len(batch)]
-                self.stats.batches_sent += 1
-                self.stats.entries_sent += len(batch)
-        finally:
-            self._sending.discard(p.addr)
-            if self._queues.get(p.addr) and p.alive:
-                self._wake_broadcast.set()
+            await trio.to_thread.run_sync(
+                partial(p.stub.Broadcast, msg, timeout=BROADCAST_TIMEOUT,
+                        metadata=self.members.metadata, wait_for_ready=True),
+                limiter=self._limiter)
+        except grpc.RpcError as e:
+            self.members.failed(p, f"broadcast: {e.code().name}")
+            raise SendFailed from None
 
     def on_batch(self, batch: pb.ChangeBatch) -> int:
-        """A batch from a peer (called in the trio thread by the server)."""
+        """A batch from a peer (called in the trio thread by the server); applied
+        before the server answers, so the answer tells the sender it arrived."""
         self.stats.batches_received += 1
-        n = self.index.apply(list(batch.entries))
+        return self._apply(list(batch.entries))
+
+    def _apply(self, entries: list[pb.Entry]) -> int:
+        n = self.index.apply(entries)
         if self.index.touched:
             self.on_remote(self.index.touched)
+        for node in self.index.disowned:
+            # Listed as a holder of a copy this host does not have (a replacement with
+            # the same node id, or one that evicted it): readers must not ask us.
+            self.index.holders_changed(node, dropped=self.node_id)
         return n
+
+    def serving_snapshot(self, from_node: str, listen: str) -> None:
+        """A peer pulls our snapshot: it counts for commits from now on."""
+        if listen:
+            self.members.mark_alive(listen, from_node)
+
+    async def wait_applied(self, what: str, node: Inode | None = None) -> list[str]:
+        """The commit rule: return once every live peer has applied everything this
+        host published so far (and `node`'s directories, which another host may have
+        made), or after --commit-timeout."""
+        if node is not None:
+            self.index.publish_ancestors(node)
+        return await self.broadcaster.wait_applied(what)
 
     def quiet(self) -> bool:
         """Nothing waiting to be broadcast or replicated."""
-        return (not any(self._queues.get(p.addr) for p in self.members.live())
-                and not self.repl_queue and not self.replicating)
+        return self.broadcaster.quiet() and not self.repl_queue and not self.replicating
 
     # -- replication (sender) --------------------------------------------------------
 
@@ -371,9 +370,8 @@ class PeerTier(Hooks):
         """Wait (bounded) until the changes queued for p have reached it: a replica
         is refused by a receiver that does not know the file's directory yet."""
         deadline = time.monotonic() + BROADCAST_TIMEOUT
-        while ((self._queues.get(p.addr) or p.addr in self._sending) and p.alive
-               and time.monotonic() < deadline):
-            self._wake_broadcast.set()
+        while not self.broadcaster.drained(p) and p.alive and time.monotonic() < deadline:
+            self.broadcaster.kick()
             await trio.sleep(0.005)
 
     async def _push(self, node: Inode, p: Peer) -> bool:
@@ -499,12 +497,17 @@ class PeerTier(Hooks):
         node = self.ns.by_global_id(self.index.resolve(guid))
         if node is None or not node.linked:
             raise Refused(grpc.StatusCode.NOT_FOUND, "no such file here")
-        if not node.has_data or node.state != CLOSED or node.dirty:
+        # A file fsynced here and written again since is served at its fsynced version
+        # (until it is sealed again): the reader verifies every block, so bytes that
+        # changed meanwhile are refused there, never served as that version.
+        rewritten = node.dirty and node.version > 0 and node.writer == self.node_id
+        if not node.has_data or not (node.state == CLOSED and not node.dirty or rewritten):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no complete copy here")
         if version and node.version != version:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"version {node.version} here, {version} asked for")
-        return os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC), node.size
+        size = node.sealed_size if node.dirty else node.size
+        return os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC), size
 
     def held(self) -> list[pb.HeldFile]:
         return [pb.HeldFile(id=n.guid, path=self.ns.path_of(n), version=n.version, size=n.size,
@@ -573,8 +576,10 @@ class PeerTier(Hooks):
             trio.from_thread.run_sync(on_verified, off, length, trio_token=token)
 
         def run() -> int:
+            # wait_for_ready: a channel still backing off from before the peer was up
+            # would fail at once; a peer that stays silent is cut by the watchdog.
             call = p.stub.FetchFile(req, timeout=60 + size / (20 << 20),
-                                    metadata=self.members.metadata)
+                                    metadata=self.members.metadata, wait_for_ready=True)
             prog.call = call
             for chunk in call:
                 if chunk.offset != verify.offset:
@@ -613,7 +618,9 @@ class PeerTier(Hooks):
             "replication_pending_bytes": sum(
                 n.size for n in {**self.repl_queue, **self.replicating}.values()),
             "quiet": self.quiet(),
-            "broadcast_queue": sum(len(q) for q in self._queues.values()),
+            "broadcast_queue": self.broadcaster.pending(),
+            "batches_sent": self.broadcaster.stats.batches_sent,
+            "entries_sent": self.broadcaster.stats.entries_sent,
             "index": self.index.status(),
             **{k: v for k, v in vars(self.stats).items() if k != "last_error"},
             "last_error": self.stats.last_error or None,

@@ -6,9 +6,14 @@
   its step directory is persisted, so the bucket never shows a marker for a
   partial step.
 - Nothing under a temporary name is uploaded (it will be, under its final name,
-  once renamed); renamed or deleted persisted files have their old objects
-  deleted (with a generation precondition), and those deletions survive a
-  restart.
+  once renamed). A rename of persisted data ends with every file under its new
+  name in the bucket: the renaming host copies each object server-side (GCS
+  rewrite; no data through any host) and deletes the old object only once the
+  copy is there; files not yet persisted are uploaded under the new name by
+  their writer. Deleted files' objects are deleted (generation precondition);
+  pending copies and deletions survive a restart.
+- A hard-linked file is stored once per name (GCS has no links): its writer
+  copies the object to each further name and keeps them in step.
 - Retries forever with exponential backoff while the tier is unreachable: the
   data stays in RAM meanwhile. A generation precondition makes sure a stale
   node cannot overwrite a newer object.
@@ -37,7 +42,13 @@ from mtcfs.persist.steps import (
     files_under,
     newest_complete_step,
 )
-from mtcfs.tiers.durable import DurableError, DurableTier, PreconditionFailed, Unavailable
+from mtcfs.tiers.durable import (
+    DurableError,
+    DurableTier,
+    ObjectNotFound,
+    PreconditionFailed,
+    Unavailable,
+)
 from mtcfs.tiers.durable.base import (
     CHUNK_META_KEY,
     chunk_crcs_of_fd,
@@ -49,6 +60,29 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 30.0
 REQUESTED_KEY = "persist_requested"  # metadata store: inos `mtcfs persist` asked for
+COPIES_KEY = "pending_copies"  # metadata store: server-side copies still to do
+LINKS_KEY = "link_objects"  # metadata store: objects of hard links' further names
+# A host that sees another host rename persisted data leaves the copies to it this long
+# before it uploads its own files under the new name itself.
+COPY_GRACE = 60.0
+
+
+@dataclass
+class CopyJob:
+    """A server-side copy: `src` (exactly generation `src_gen`) to the file's name
+    `dst`. `move`: the source object goes once the copy is there (a rename);
+    otherwise it stays (the further name of a hard link)."""
+
+    ino: int
+    dst: str
+    src: str
+    src_gen: int
+    version: int
+    move: bool
+    dst_gen: int = 0  # the destination's expected live generation (0: absent)
+
+    def key(self) -> tuple[int, str]:
+        return self.ino, self.dst
 
 
 class FileChangedError(Exception):
@@ -65,6 +99,7 @@ class Stats:
     last_error: str = ""
     last_error_time: float = 0.0
     conflicts: int = 0
+    copies: int = 0
 
 
 class Uploader:
@@ -86,6 +121,15 @@ class Uploader:
         # Files `mtcfs persist` asked for and not yet persisted: kept in the
         # metadata store, so a request survives a daemon crash or restart.
         self.requested: set[int] = set(json.loads(ns.store.get_meta(REQUESTED_KEY) or "[]"))
+        self.copies: dict[tuple[int, str], CopyJob] = {}
+        for job in json.loads(ns.store.get_meta(COPIES_KEY) or "[]"):
+            j = CopyJob(**job)
+            self.copies[j.key()] = j
+        self._copying: set[tuple[int, str]] = set()
+        # ino -> {key: [generation, version]}: objects of hard links' further names.
+        self.links: dict[int, dict[str, list[int]]] = {
+            int(ino): objs for ino, objs in
+            json.loads(ns.store.get_meta(LINKS_KEY) or "{}").items()}
         self.stats = Stats()
         self._lot = trio.lowlevel.ParkingLot()
         self._backoff = 0.0
@@ -96,6 +140,9 @@ class Uploader:
         # file is persisted from the index (node_id and on_persisted set by the daemon).
         self.node_id = ""
         self.on_persisted: Callable[[Inode], None] = lambda node: None
+        # Brings another host's file into this host's RAM (set by the daemon): for
+        # `mtcfs persist` of files this host did not write and holds no copy of.
+        self.fetch: Callable[[Inode], None] = lambda node: None
 
     # -- notifications from the filesystem (never block) -------------------------
 
@@ -117,36 +164,139 @@ class Uploader:
                 self._enqueue(node)  # a file added to an already committed step
 
     def on_renamed(self, node: Inode, old_path: str) -> None:
-        """`node` (a file or a directory) was moved from `old_path`."""
-        files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
-        # Old objects of commit markers are deleted first (see _next_delete).
-        files.sort(key=lambda f: not self.rules.is_marker_name(f.name))
+        """`node` (a file or a directory) was moved from `old_path` by this host.
+        Persisted files are copied to their new names server-side, old objects
+        deleted only once the copy is there; the others are uploaded per policy."""
         new_path = self.ns.path_of(node)
+        if node.is_file and new_path == old_path:
+            self.sync_links(node)  # one of a hard-linked file's further names moved
+            return
+        files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
         with self.ns.store.transaction():
             for f in files:
-                if f.generation:
-                    old_key = old_path + self.ns.path_of(f)[len(new_path):]
+                if not f.generation:
+                    continue
+                old_key = old_path + self.ns.path_of(f)[len(new_path):]
+                if f.persisted and not self.rules.is_temporary(self.ns, f):
+                    self._add_copy(CopyJob(f.ino, self.ns.path_of(f), old_key, f.generation,
+                                           f.version, move=True))
+                else:
                     self._delete_later(old_key, f.generation)
-                    f.generation = 0
-                    f.persisted_version = 0
-                    self.ns.persist(f)
+                f.generation = 0
+                f.persisted_version = 0
+                self.ns.persist(f)
+            self._save_copies()
         for f in files:
-            if f.state == CLOSED:
+            if f.state == CLOSED and not self._copy_pending(f):
                 self.on_sealed(f)
+            self.sync_links(f)
         if node.is_dir and self.policy.mode is Mode.STEP:
             for d in [node, *dirs_under(self.ns, node)]:
                 if self.rules.is_committed_step(self.ns, d):
                     self.commit_step(d)
+        self._lot.unpark_all()
+
+    def on_remote_moved(self, node: Inode) -> None:
+        """Another host moved `node`: its persisted files are no longer persisted under
+        their (new) names until that host's copies land, which it announces."""
+        files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
+        deadline = time.monotonic() + COPY_GRACE
+        with self.ns.store.transaction():
+            for f in files:
+                if f.generation:
+                    f.generation = 0
+                    f.persisted_version = 0
+                    f.copy_grace = deadline
+                    self.ns.persist(f)
+
+    def on_name_removed(self, node: Inode, path: str, was_own: bool) -> None:
+        """A hard-linked file lost the name at `path` (it keeps others)."""
+        objs = self.links.get(node.ino, {})
+        with self.ns.store.transaction():
+            if was_own and node.generation:
+                # The file is now known by its oldest further name: that object, if in
+                # step, becomes the file's own; the old name's object goes.
+                self._delete_later(path, node.generation)
+                adopted = objs.pop(self.ns.path_of(node), None)
+                if adopted is not None and adopted[1] == node.version:
+                    node.generation = adopted[0]
+                else:
+                    if adopted is not None:
+                        self._delete_later(self.ns.path_of(node), adopted[0])
+                    node.generation = 0
+                    node.persisted_version = 0
+                self.ns.persist(node)
+            elif not was_own and path in objs:
+                self._delete_later(path, objs.pop(path)[0])
+            self._save_links()
+        if not node.persisted and node.state == CLOSED:
+            self.on_sealed(node)
+        self.sync_links(node)
+
+    def sync_links(self, node: Inode) -> None:
+        """Bring the objects of a hard-linked file's further names in line with its
+        names and its persisted version (this host's files only)."""
+        objs = self.links.get(node.ino)
+        if not node.links and not objs:
+            return
+        if not self.owns(node):
+            return
+        objs = self.links.setdefault(node.ino, {})
+        want = set(self.ns.link_paths(node)) if node.linked else set()
+        changed = False
+        with self.ns.store.transaction():
+            for key in [k for k in objs if k not in want]:
+                self._delete_later(key, objs.pop(key)[0])
+                changed = True
+            if node.persisted:
+                for key in sorted(want):
+                    have = objs.get(key)
+                    if have is None or have[1] != node.version:
+                        self._add_copy(CopyJob(node.ino, key, self.ns.path_of(node),
+                                               node.generation, node.version, move=False,
+                                               dst_gen=have[0] if have else 0))
+                        changed = True
+            if not objs:
+                self.links.pop(node.ino, None)
+            if changed:
+                self._save_links()
+                self._save_copies()
+        self._lot.unpark_all()
+
+    def links_in_step(self, node: Inode) -> bool:
+        """Every further name of the file has its object at the file's version."""
+        objs = self.links.get(node.ino, {})
+        return all(objs.get(k, (0, -1))[1] == node.version for k in self.ns.link_paths(node))
+
+    def _add_copy(self, job: CopyJob) -> None:
+        self.copies[job.key()] = job
+
+    def _copy_pending(self, node: Inode) -> bool:
+        return any(ino == node.ino and j.move for (ino, _), j in self.copies.items())
+
+    def _save_copies(self) -> None:
+        self.ns.store.set_meta(COPIES_KEY, json.dumps([vars(j) for j in self.copies.values()]))
+
+    def _save_links(self) -> None:
+        self.ns.store.set_meta(LINKS_KEY, json.dumps({str(k): v for k, v in self.links.items()}))
 
     def on_removed(self, node: Inode, path: str) -> None:
-        """A file was unlinked (or replaced by a rename) at `path`."""
+        """A file was unlinked (or replaced by a rename) at `path`: its last name."""
         self.queue.pop(node.ino, None)
         self.failed.pop(node.ino, None)
         self._unrequest(node.ino)
-        if node.generation:
-            with self.ns.store.transaction():
+        with self.ns.store.transaction():
+            if node.generation:
                 self._delete_later(path, node.generation)
             node.generation = 0
+            for key in [k for k in self.copies if k[0] == node.ino]:
+                job = self.copies.pop(key)
+                if job.move:
+                    self._delete_later(job.src, job.src_gen)  # the copy's source goes too
+            for key, (gen, _) in self.links.pop(node.ino, {}).items():
+                self._delete_later(key, gen)
+            self._save_copies()
+            self._save_links()
 
     def on_changed(self, node: Inode) -> None:
         """A sealed file is being written again: its queued upload waits for the seal."""
@@ -194,6 +344,9 @@ class Uploader:
         """Changes from other hosts: a step they committed (a marker, a directory
         renamed into place) commits our files in it too; a file they persisted may
         be the last one a marker here waits for."""
+        for n in nodes:
+            if n.is_file and (n.links or n.ino in self.links):
+                self.sync_links(n)
         if self.policy.mode is Mode.STEP:
             for n in nodes:
                 if not n.linked:
@@ -211,9 +364,14 @@ class Uploader:
     def _enqueue(self, node: Inode) -> None:
         # A file already in flight is queued again: it was renamed or rewritten
         # since its upload started, and must be uploaded (again) once that ends.
-        if node.persisted or not self.owns(node):
+        # `mtcfs persist` may name other hosts' files: this host uploads those too
+        # (from its copy, fetched first if need be; see _next_job).
+        if node.persisted or not (self.owns(node) or node.ino in self.requested):
             return
         self.queue[node.ino] = node
+        self._lot.unpark_all()
+
+    def wake(self) -> None:
         self._lot.unpark_all()
 
     def _delete_later(self, key: str, generation: int) -> None:
@@ -254,6 +412,8 @@ class Uploader:
             "inflight_files": len(self.inflight),
             "pending_bytes": max(0, self.pending_bytes()),
             "pending_deletes": len(self.deletes),
+            "pending_copies": len(self.copies),
+            "copied_objects": self.stats.copies,
             "uploaded_files": self.stats.files_uploaded,
             "uploaded_bytes": self.stats.bytes_uploaded,
             "deleted_objects": self.stats.deletes,
@@ -266,7 +426,7 @@ class Uploader:
         }
 
     def idle(self) -> bool:
-        return not self.queue and not self.inflight and not self.deletes
+        return not self.queue and not self.inflight and not self.deletes and not self.copies
 
     # -- the work ----------------------------------------------------------------------
 
@@ -307,6 +467,10 @@ class Uploader:
             if not node.linked or node.state != CLOSED or node.persisted:
                 del self.queue[ino]
                 continue
+            if not node.has_data and not self.owns(node):
+                if node.ino in self.requested:
+                    self.fetch(node)  # wakes us when the copy is here
+                continue
             if node.dirty:
                 # Being rewritten: the next seal queues it again. (A writer that is
                 # still open but wrote nothing since the seal does not hold it back:
@@ -315,6 +479,8 @@ class Uploader:
                 continue
             if ino in self.inflight:
                 continue  # queued again while uploading: once that upload ends
+            if self._copy_pending(node) or node.copy_grace > time.monotonic():
+                continue  # a server-side copy brings it under its new name
             if self.rules.is_marker_name(node.name) and not self._step_ready(node):
                 continue
             if (self.deletes or self._deleting or self._uploading) and self._delete_pending(node):
@@ -337,7 +503,7 @@ class Uploader:
         d = self.ns.inodes[marker.parent]
         # Files under temporary names are no part of the step (and are never uploaded
         # by the on-close and step policies): they must not hold the marker back.
-        return all(f.persisted or self.rules.is_marker_name(f.name)
+        return all((f.persisted and self.links_in_step(f)) or self.rules.is_marker_name(f.name)
                    or self._temporary_below(f, d)
                    for f in files_under(self.ns, d) if f.linked)
 
@@ -354,6 +520,15 @@ class Uploader:
         while True:
             if self._backoff:
                 await trio.sleep(self._backoff)
+            copy = self._next_copy()
+            if copy is not None:
+                self._copying.add(copy.key())
+                try:
+                    await self._copy(copy)
+                finally:
+                    self._copying.discard(copy.key())
+                    self._lot.unpark_all()
+                continue
             job = self._next_delete()
             if job is not None:
                 key, gen = job
@@ -376,6 +551,84 @@ class Uploader:
                 self.inflight.pop(node.ino, None)
                 self._uploading.pop(node.ino, None)
                 self._lot.unpark_all()  # a marker may be ready now
+
+    def _next_copy(self) -> CopyJob | None:
+        for key, job in self.copies.items():
+            if key in self._copying:
+                continue
+            node = self.ns.get(job.ino)
+            if (node is not None and node.linked and self.rules.is_marker_name(node.name)
+                    and job.move and not self._step_ready(node)):
+                continue  # a commit marker comes last, as in uploads
+            return job
+        return None
+
+    async def _copy(self, job: CopyJob) -> None:
+        node = self.ns.get(job.ino)
+        dst_now = (self.ns.path_of(node) if job.move else job.dst) if node is not None \
+            and node.linked else None
+        if (node is None or not node.linked or node.version != job.version
+                or (job.move and dst_now != job.dst)
+                or (not job.move and job.dst not in self.ns.link_paths(node))):
+            # Removed, rewritten or renamed again meanwhile: this copy is moot (a rename
+            # queued a new one; a rewrite uploads anew). A moved source still goes.
+            self.copies.pop(job.key(), None)
+            with self.ns.store.transaction():
+                if job.move:
+                    self._delete_later(job.src, job.src_gen)
+                self._save_copies()
+            if node is not None and node.linked and node.state == CLOSED:
+                self.on_sealed(node)
+            return
+        try:
+            info = await trio.to_thread.run_sync(partial(
+                self.tier.copy, job.src, job.dst, src_generation=job.src_gen,
+                if_generation_match=job.dst_gen), limiter=self._limiter, abandon_on_cancel=True)
+        except PreconditionFailed:
+            info = await trio.to_thread.run_sync(self.tier.stat, job.dst, abandon_on_cancel=True)
+            if info is None or info.crc32c != node.crc32c or info.size != node.size:
+                msg = (f"conflict: object {job.dst} in {self.tier.url} was changed by someone "
+                       f"else; not overwriting it with {job.src}")
+                log.error("%s", msg)
+                self.stats.conflicts += 1
+                self._record_error(msg)
+                self.copies.pop(job.key(), None)
+                with self.ns.store.transaction():
+                    self._save_copies()
+                return
+            # Already there (our own earlier copy, or the writer's upload): adopt it.
+        except ObjectNotFound:
+            # The source is gone: upload the data instead (its writer, per policy).
+            log.warning("copy %s -> %s: the source is gone; uploading instead", job.src,
+                        job.dst)
+            self.copies.pop(job.key(), None)
+            with self.ns.store.transaction():
+                self._save_copies()
+            if job.move:
+                node.copy_grace = 0.0
+                self.on_sealed(node)
+            return
+        except (Unavailable, DurableError, OSError) as e:
+            self._failed_attempt(f"copy {job.src} to {job.dst}: {e}")
+            return
+        self._backoff = 0.0
+        self.stats.copies += 1
+        self.copies.pop(job.key(), None)
+        with self.ns.store.transaction():
+            if job.move:
+                node.generation = info.generation
+                node.persisted_version = job.version
+                self.ns.persist(node)
+                self._delete_later(job.src, job.src_gen)
+            else:
+                self.links.setdefault(node.ino, {})[job.dst] = [info.generation, job.version]
+                self._save_links()
+            self._save_copies()
+        log.info("copied %s to %s in %s (generation %d)", job.src, job.dst, self.tier.url,
+                 info.generation)
+        if job.move:
+            self.on_persisted(node)
+            self.sync_links(node)
 
     async def _delete(self, key: str, gen: int) -> None:
         try:
@@ -482,6 +735,9 @@ class Uploader:
                  time.monotonic() - t0)
         if still_here:
             self.on_persisted(node)
+            self.sync_links(node)
+        elif node.linked and node.state == CLOSED:
+            self.on_sealed(node)  # renamed while uploading: upload it under its new name
         if still_here and node.version != version:
             self.on_sealed(node)
 

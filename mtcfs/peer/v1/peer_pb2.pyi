@@ -33,7 +33,7 @@ class HealthReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lamport: _Optional[int] = ..., failure_domain: _Optional[str] = ..., ram_capacity: _Optional[int] = ..., ram_free: _Optional[int] = ..., entries: _Optional[int] = ...) -> None: ...
 
 class Entry(_message.Message):
-    __slots__ = ("id", "parent", "name", "mode", "uid", "gid", "mtime_ns", "ctime_ns", "size", "has_crc", "crc32c", "version", "holders", "target", "lamport", "writer", "removed", "block_size", "block_crcs", "persisted_version", "generation", "dropped")
+    __slots__ = ("id", "parent", "name", "mode", "uid", "gid", "mtime_ns", "ctime_ns", "size", "has_crc", "crc32c", "version", "holders", "target", "lamport", "writer", "removed", "block_size", "block_crcs", "persisted_version", "generation", "dropped", "rdev", "links")
     ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class Entry(_message.Message):
     PERSISTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RDEV_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     parent: str
     name: bytes
@@ -78,7 +80,17 @@ class Entry(_message.Message):
     persisted_version: int
     generation: int
     dropped: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., name: _Optional[bytes] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ..., size: _Optional[int] = ..., has_crc: _Optional[bool] = ..., crc32c: _Optional[int] = ..., version: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., target: _Optional[bytes] = ..., lamport: _Optional[int] = ..., writer: _Optional[str] = ..., removed: _Optional[bool] = ..., block_size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., persisted_version: _Optional[int] = ..., generation: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+    rdev: int
+    links: _containers.RepeatedCompositeFieldContainer[Link]
+    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., name: _Optional[bytes] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ..., size: _Optional[int] = ..., has_crc: _Optional[bool] = ..., crc32c: _Optional[int] = ..., version: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., target: _Optional[bytes] = ..., lamport: _Optional[int] = ..., writer: _Optional[str] = ..., removed: _Optional[bool] = ..., block_size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., persisted_version: _Optional[int] = ..., generation: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., rdev: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ...) -> None: ...
+
+class Link(_message.Message):
+    __slots__ = ("parent", "name")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    parent: str
+    name: bytes
+    def __init__(self, parent: _Optional[str] = ..., name: _Optional[bytes] = ...) -> None: ...
 
 class ChangeBatch(_message.Message):
     __slots__ = ("from_node", "lamport", "entries")
@@ -99,10 +111,12 @@ class BatchReply(_message.Message):
     def __init__(self, applied: _Optional[int] = ..., lamport: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("from_node",)
+    __slots__ = ("from_node", "listen")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
     from_node: str
-    def __init__(self, from_node: _Optional[str] = ...) -> None: ...
+    listen: str
+    def __init__(self, from_node: _Optional[str] = ..., listen: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("entry", "path")

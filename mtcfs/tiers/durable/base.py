@@ -289,6 +289,14 @@ class DurableTier(ABC):
         """
 
     @abstractmethod
+    def copy(self, src_key: str, dst_key: str, *, src_generation: int,
+             if_generation_match: int | None = None) -> ObjectInfo:
+        """Copy the object `src_key` (exactly generation `src_generation`) to `dst_key`
+        inside the tier, data, crc32c and custom metadata alike, without moving the
+        data through this host (a server-side copy). ObjectNotFound when that
+        generation is gone; the destination precondition as in put_file."""
+
+    @abstractmethod
     def read_range(self, key: str, offset: int, length: int, *,
                    generation: int | None = None) -> bytes:
         """Up to `length` bytes at `offset` (fewer at the end of the object)."""

@@ -325,6 +325,26 @@ class LocalDirTier(DurableTier):
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
+    def copy(self, src_key: str, dst_key: str, *, src_generation: int,
+             if_generation_match: int | None = None) -> ObjectInfo:
+        opened = self._open(self._path(src_key))
+        if opened is None:
+            raise ObjectNotFound(f"{self.url}: copy {src_key}: no such object")
+        fd, st = opened
+        try:
+            info = self._info_of(src_key, fd, st)
+            if info.generation != src_generation:
+                raise ObjectNotFound(f"{self.url}: copy {src_key}: generation "
+                                     f"{src_generation} is gone (live {info.generation})")
+            if info.crc32c is None:
+                raise DurableError(f"{self.url}: copy {src_key}: no recorded crc32c")
+            # Through /proc, so a rename of the source meanwhile cannot swap its data.
+            return self.put_file(dst_key, f"/proc/self/fd/{fd}", info.crc32c,
+                                 if_generation_match=if_generation_match,
+                                 metadata=info.metadata)
+        finally:
+            os.close(fd)
+
     @staticmethod
     def _copy(src: int, dst: int, progress: Progress | None) -> tuple[int, int]:
         """Copy src to dst from offset 0, checksumming what is copied."""

@@ -1,0 +1,173 @@
+"""Withdrawing a committed step that lost the last copy of one of its files.
+
+With `--fsync local` (the default) a host that dies right after closing a shard
+can take the only copy with it. Its step's commit marker is then a lie: every
+host would show the step as the newest, a restarting job would pick it, fail on
+the lost shard and crash-loop. So when a file of a committed step has no copy
+left — no live host holds it and it is not persisted — the step is withdrawn:
+its commit markers are renamed to `<marker>.mtcfs-withdrawn` and the step
+directory to `<name>.mtcfs-withdrawn` (Orbax on POSIX commits by the directory's
+name), on every host, through the filesystem like any rename. No framework reads
+those names, so its own "latest step" logic lands on the newest intact step.
+The evidence stays (files and names; the lost files are the ones without a
+copy) and `mtcfs steps` shows it on every host, since it is read from the
+names; should a lost file come back (its holder rejoins with its RAM intact),
+the step is reinstated under its own names.
+
+One host acts (the live host with the smallest node id): every host computes
+the same choice from the same index, and a second one acting in a partition
+makes the same renames, which merge.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from mtcfs.fs.filesystem import FsError
+from mtcfs.fs.namespace import CLOSED, ROOT
+from mtcfs.lifecycle.copies import Copies
+from mtcfs.persist.steps import StepRules, all_steps, files_under
+
+if TYPE_CHECKING:
+    from mtcfs.fs.filesystem import Filesystem
+    from mtcfs.fs.namespace import Inode
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".mtcfs-withdrawn"
+_SUFFIX = SUFFIX.encode()
+INTERVAL = 5.0  # a pass runs when peers come or go, when copies change, and this often
+
+
+class Withdrawal:
+    def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
+                 live_nodes: Callable[[], list[str]]) -> None:
+        self.fs = fs
+        self.copies = copies
+        self.rules = rules
+        self.live_nodes = live_nodes  # node ids of the live peers
+        self.withdrawn = 0
+        self.reinstated = 0
+        self._wake = trio.Event()
+        # Observers (metrics): a step withdrawn, a step reinstated.
+        self.on_withdrawn: Callable[[], None] = lambda: None
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            with trio.move_on_after(INTERVAL):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            await trio.sleep(0.2)  # coalesce a burst of changes (a host's many files)
+            try:
+                await self.pass_once()
+            except Exception:  # a bug here must not take the mount down
+                log.exception("withdrawal pass failed")
+
+    # -- deciding ------------------------------------------------------------------------
+
+    def acting(self) -> bool:
+        """This host is the one that renames (the smallest live node id)."""
+        return self.copies.node_id <= min(self.live_nodes(), default=self.copies.node_id)
+
+    def lost(self, f: Inode) -> bool:
+        """No copy of this version is left anywhere this host can reach."""
+        if f.state != CLOSED or f.persisted or not f.version:
+            return False
+        if f.has_data and not f.dirty:
+            return False  # here
+        return self.copies.elsewhere(f) == 0
+
+    async def pass_once(self) -> None:
+        if not self.acting():
+            return
+        ns = self.fs.ns
+        for d in all_steps(ns, self.rules):
+            if (not self.rules.is_committed_step(ns, d) or d.name.endswith(_SUFFIX)
+                    or self._inside_step(d)):
+                continue
+            lost = [f for f in files_under(ns, d) if self.lost(f)]
+            if lost:
+                await self._withdraw(d, lost)
+        for d in [n for n in list(ns.inodes.values()) if n.is_dir and n.linked
+                  and self.hidden_markers(n)]:
+            if not any(self.lost(f) for f in files_under(ns, d)):
+                await self._reinstate(d)
+
+    def _inside_step(self, d: Inode) -> bool:
+        """`d` lies inside a committed or withdrawn step (Orbax's item directories carry
+        markers of their own): the outermost step is the one withdrawn."""
+        ns = self.fs.ns
+        node = ns.inodes[d.parent]
+        while node.ino != ROOT:
+            if self.rules.is_committed_step(ns, node) or self.hidden_markers(node):
+                return True
+            node = ns.inodes[node.parent]
+        return False
+
+    def hidden_markers(self, d: Inode) -> list[bytes]:
+        """The commit markers withdrawal renamed in directory `d`."""
+        return [n for n in (d.children or {}) if n.endswith(_SUFFIX)
+                and self.rules.is_marker_name(n[:-len(_SUFFIX)])]
+
+    # -- acting --------------------------------------------------------------------------
+
+    async def _withdraw(self, d: Inode, lost: list[Inode]) -> None:
+        ns = self.fs.ns
+        path = ns.path_of(d)
+        names = [ns.path_of(f) for f in lost]
+        markers = [name for name in list(d.children or {}) if self.rules.is_marker_name(name)]
+        for name in markers:
+            await self._rename(d, name, d, name + _SUFFIX)
+        parent = ns.inodes[d.parent]
+        if d.name + _SUFFIX not in (parent.children or {}):
+            await self._rename(parent, d.name, parent, d.name + _SUFFIX)
+        self.withdrawn += 1
+        self.on_withdrawn()
+        log.error("withdrew step %s: %d file(s) lost their last copy (%s); its commit "
+                  "marker(s) %s and the step directory are now named *%s, so that a "
+                  "restarting job resumes from the newest intact step", path, len(names),
+                  ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
+                  ", ".join(m.decode("utf-8", "surrogateescape") for m in markers), SUFFIX)
+
+    async def _reinstate(self, d: Inode) -> None:
+        ns = self.fs.ns
+        parent = ns.inodes[d.parent]
+        if d.name.endswith(_SUFFIX):
+            original = d.name[:-len(_SUFFIX)]
+            if original in (parent.children or {}):
+                return  # the job has saved that step again meanwhile: keep the evidence
+            await self._rename(parent, d.name, parent, original)
+        for hidden in self.hidden_markers(d):
+            if hidden[:-len(_SUFFIX)] not in (d.children or {}):
+                await self._rename(d, hidden, d, hidden[:-len(_SUFFIX)])
+        self.reinstated += 1
+        log.warning("reinstated step %s: every file has a copy again", ns.path_of(d))
+
+    async def _rename(self, p1: Inode, n1: bytes, p2: Inode, n2: bytes) -> None:
+        """A rename as if made through the mount, which the kernel did not see."""
+        try:
+            await self.fs.rename(p1.ino, n1, p2.ino, n2, 0)
+        except FsError as e:
+            log.warning("withdrawal: renaming %r failed: errno %d", n1, e.errno)
+            return
+        self.fs.invalidate_entry(p1, n1)
+        self.fs.invalidate_entry(p2, n2)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def is_withdrawn(self, d: Inode) -> bool:
+        """`d` is a withdrawn step directory (its markers renamed aside)."""
+        return d.is_dir and bool(self.hidden_markers(d))
+
+    def status(self) -> dict[str, object]:
+        ns = self.fs.ns
+        now = sum(1 for n in ns.inodes.values() if n.is_dir and n.linked and self.hidden_markers(n))
+        return {"withdrawn_steps": self.withdrawn, "reinstated_steps": self.reinstated,
+                "withdrawn_now": now}
