@@ -12,9 +12,10 @@
 #   backing file (tests/test_pyfuse3_passthrough.py).
 #
 # Debian 12's libfuse 3.14 can do neither, so libfuse 3.17 is built from
-# Debian's own source package (trixie, from the mirror this machine's apt uses)
-# into .venv/opt/libfuse, and pyfuse3 3.5.0 from its sdist against it. Only
-# pyfuse3 is built from source: its build dependencies (Cython, ...) are wheels.
+# Debian's own source package (trixie, from the mirror this machine's apt
+# uses: scripts/fetch_fuse3_source.sh) into .venv/opt/libfuse, and pyfuse3
+# 3.5.0 from its sdist against it. Only pyfuse3 is built from source: its
+# build dependencies (Cython, ...) come as wheels.
 #
 # Any failure leaves the stock pyfuse3 in place: mtcfs works either way, only
 # small writes are slower and passthrough is unavailable. The mount is always
@@ -28,7 +29,6 @@ PREFIX=$VENV/opt/libfuse
 MARKER=$VENV/.pyfuse3-passthrough
 PYFUSE3_VERSION=3.5.0
 PATCHES=(pyfuse3-killpriv-v2.patch pyfuse3-passthrough.patch)
-LIBFUSE_SUITE=${LIBFUSE_SUITE:-trixie}
 [ -f "$MARKER" ] && exit 0
 
 work=$(mktemp -d /tmp/mtcfs-pyfuse3.XXXXXX)
@@ -44,18 +44,9 @@ if PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig pkg-config --atleast-version=3.17 fuse3
         && grep -q FUSE_CAP_PASSTHROUGH "$PREFIX/include/fuse3/fuse_common.h" 2>/dev/null; then
     step "keeping libfuse $(PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig pkg-config --modversion fuse3) in $PREFIX"
 else
-    # The mirror of the machine's own apt sources, with the newer suite.
-    read -r mirror keyring < <(python3 scripts/apt_mirror.py)
-    step "fetching the fuse3 source package from $mirror ($LIBFUSE_SUITE)"
+    step "fetching the fuse3 source package"
+    src=$(scripts/fetch_fuse3_source.sh "$work")
     pip install -q --disable-pip-version-check meson ninja
-    mkdir -p "$work/lists/partial"
-    echo "deb-src ${keyring:+[signed-by=$keyring] }$mirror $LIBFUSE_SUITE main" > "$work/sources.list"
-    APT=(apt-get -qq -o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/dev/null
-         -o Dir::State::Lists="$work/lists" -o APT::Sandbox::User=root)
-    "${APT[@]}" update
-    (cd "$work" && "${APT[@]}" source --download-only fuse3 >/dev/null)
-    tar xzf "$work"/fuse3_*.orig.tar.gz -C "$work"
-    src=$(echo "$work"/fuse-3.*)
     grep -q FUSE_CAP_HANDLE_KILLPRIV_V2 "$src/include/fuse_common.h"
     grep -q FUSE_CAP_PASSTHROUGH "$src/include/fuse_common.h"
 
