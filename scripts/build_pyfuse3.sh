@@ -69,7 +69,7 @@ SETUPTOOLS_SCM_PRETEND_VERSION=$PYFUSE3_VERSION \
     pip install -q --disable-pip-version-check --force-reinstall --no-deps \
     "$work/pyfuse3-$PYFUSE3_VERSION"
 so=$(echo "$VENV"/lib/python3*/site-packages/pyfuse3/*.so)
-ldd "$so" | grep -q "$PREFIX"
+ldd "$so" | grep "$PREFIX" >/dev/null  # not grep -q: ldd may fail on the closed pipe
 grep -q backing_open "$so"  # the passthrough patch is in
 rm -f "$VENV/.pyfuse3-killpriv-v2"  # the marker of the build before the passthrough patch
 touch "$MARKER"
