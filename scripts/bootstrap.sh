@@ -25,9 +25,12 @@ if [ ! -x .venv/bin/python ]; then
     echo "bootstrap: creating .venv"
     "$PY" -m venv .venv
 fi
-# pyfuse3 built against libfuse 3.17 (see the script); falls back to stock pyfuse3.
-if [ ! -f .venv/.pyfuse3-killpriv-v2 ] && [ -z "${MTCFS_STOCK_PYFUSE3:-}" ]; then
-    scripts/build_pyfuse3.sh || echo "bootstrap: warning: using stock pyfuse3 (small writes slower)" >&2
+# pyfuse3 built against libfuse 3.17 with the KILLPRIV_V2 and passthrough patches
+# (see the script); falls back to stock pyfuse3. A venv built before the
+# passthrough patch (marker .pyfuse3-killpriv-v2) is rebuilt once.
+if [ ! -f .venv/.pyfuse3-passthrough ] && [ -z "${MTCFS_STOCK_PYFUSE3:-}" ]; then
+    scripts/build_pyfuse3.sh \
+        || echo "bootstrap: warning: using stock pyfuse3 (small writes slower, no FUSE passthrough)" >&2
 fi
 stamp=.venv/.mtcfs-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
