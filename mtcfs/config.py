@@ -37,6 +37,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 FSYNC_LEVELS = ("local", "replicas", "gcs")
 VISIBILITY_MODES = ("fsync", "close")
+DATA_PATHS = ("auto", "passthrough", "fuse")
 LOG_FORMATS = ("text", "json")
 
 # Mount options libfuse and the kernel accept (checked before mounting so a
@@ -122,6 +123,8 @@ class MountOptions:
     # What fsync/commit/close wait for: every live peer has applied the change.
     commit_timeout: float = 10.0
     visibility: str = "fsync"
+    # passthrough: the kernel reads and writes RAM-tier files without the daemon.
+    data_path: str = "auto"
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
     log_format: str = "text"
@@ -202,6 +205,7 @@ def _validate(opts: MountOptions) -> None:
         raise ConfigError(
             f"invalid log level {opts.log_level!r}: choose one of {', '.join(LOG_LEVELS)}"
         )
+    _validate_data_path(opts)
     opts.node_id = str(opts.node_id or socket.gethostname())
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", opts.node_id):
         raise ConfigError(
@@ -223,6 +227,11 @@ def _validate(opts: MountOptions) -> None:
     check_mountpoint(opts.mountpoint)
     check_ram_dir(opts.ram_dir, opts.mountpoint)
     st = os.statvfs(opts.ram_dir)
+    if opts.data_path != "fuse" and passthrough_unavailable() is None:
+        # The RAM tier becomes a tmpfs of its own: bounded by memory, not by the
+        # filesystem the RAM dir is on.
+        _check_ram_size_against_memory(opts, explicit_ram_size)
+        return
     if not explicit_ram_size:
         # The default must fit small /dev/shm's (containers): at most half of it.
         opts.ram_size = min(opts.ram_size, st.f_blocks * st.f_frsize // 2)
@@ -233,6 +242,36 @@ def _validate(opts: MountOptions) -> None:
             f"--ram-size {format_size(opts.ram_size)} is larger than the filesystem holding "
             f"the RAM dir {opts.ram_dir} ({format_size(st.f_blocks * st.f_frsize)}): lower it "
             "or give a larger --ram-dir (e.g. remount /dev/shm with size=...)")
+
+
+def _validate_data_path(opts: MountOptions) -> None:
+    opts.data_path = str(opts.data_path or "auto").lower()
+    if opts.data_path not in DATA_PATHS:
+        raise ConfigError(f"invalid --data-path {opts.data_path!r}: choose one of "
+                          f"{', '.join(DATA_PATHS)}")
+    if opts.data_path == "passthrough":
+        why = passthrough_unavailable()
+        if why is not None:
+            raise ConfigError(f"--data-path passthrough: {why}; use --data-path auto or fuse")
+
+
+def passthrough_unavailable() -> str | None:
+    from mtcfs.fs.passthrough import unavailable
+
+    return unavailable()
+
+
+def _check_ram_size_against_memory(opts: MountOptions, explicit: bool) -> None:
+    total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    if not explicit:
+        opts.ram_size = min(opts.ram_size, total // 2)
+    if total and opts.ram_size > total:
+        raise ConfigError(f"--ram-size {format_size(opts.ram_size)} is larger than this "
+                          f"machine's memory ({format_size(total)})")
 
 
 def _validate_durable(opts: MountOptions) -> None:

@@ -46,6 +46,7 @@ class ControlHandler:
             health="ok",
             node=self.fs.node_id,
             data_path=self.fs.data_path,
+            passthrough=self.fs.passthrough.status(),
         )
         up, rt = self.fs.uploader, self.fs.readthrough
         if up is not None and rt is not None:

@@ -23,6 +23,7 @@ from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import Inode, Namespace
+from mtcfs.fs.passthrough import Passthrough
 from mtcfs.meta.store import MetaStore
 from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
 from mtcfs.tiers.ram import RamTier
@@ -158,7 +159,16 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
     try:
         store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
         ns = Namespace(store)
-        ram = RamTier(opts.ram_dir, opts.ram_size)
+        want_passthrough = _want_passthrough(opts)
+        try:
+            ram = RamTier(opts.ram_dir, opts.ram_size, own_tmpfs=want_passthrough)
+        except OSError as e:
+            if opts.data_path == "passthrough":
+                raise
+            log.warning("data path: fuse (the RAM tier's own tmpfs could not be mounted: %s)",
+                        e.strerror or e)
+            want_passthrough = False
+            ram = RamTier(opts.ram_dir, opts.ram_size)
         fs = Filesystem(ns, ram, opts.node_id, opts.control_socket, step_rules(opts),
                         opts.visibility)
         kernel = KernelCache(
@@ -202,7 +212,9 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
             fs.peers.broadcaster.on_waited = metrics.commit_seconds.observe
         fs.metrics_url = f"http://{opts.metrics_address}:{port}/metrics"
         log.info("metrics on %s (health: /healthz)", fs.metrics_url)
-    ops = FuseOperations(fs)
+    ops = FuseOperations(fs, passthrough=want_passthrough)
+    fs.passthrough = Passthrough(pyfuse3.backing_open, pyfuse3.backing_close) \
+        if want_passthrough else fs.passthrough
     try:
         pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
                                                          opts.fuse_options))
@@ -210,7 +222,7 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, store)
     code = 0
     try:
-        code = trio.run(_main, opts, fs, ready_fd, metrics)
+        code = trio.run(_main, opts, fs, ready_fd, metrics, ops.enable_passthrough)
     except Exception:
         log.exception("daemon failed")
         code = 1
@@ -342,6 +354,37 @@ def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
         fs.readthrough.make_room = lc.space.make_room_now
 
 
+def _want_passthrough(opts: MountOptions) -> bool:
+    return opts.data_path == "passthrough" or (
+        opts.data_path == "auto" and _passthrough_unavailable() is None)
+
+
+def _passthrough_unavailable() -> str | None:
+    from mtcfs.fs.passthrough import unavailable
+
+    return unavailable()
+
+
+def _start_passthrough(fs: Filesystem) -> str | None:
+    """After INIT: did the kernel agree, and does registering a backing file work?
+    Returns why not (None: passthrough is on)."""
+    if not pyfuse3.passthrough_enabled():
+        return "the kernel did not agree to FUSE passthrough at INIT"
+    probe = os.path.join(fs.ram.data_dir, ".passthrough-probe")
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        backing = pyfuse3.backing_open(fd)
+        pyfuse3.backing_close(backing)
+    except OSError as e:
+        return f"registering a backing file failed: {e.strerror or e}"
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+    fs.passthrough.enabled = True
+    fs.data_path = "passthrough"
+    return None
+
+
 def step_rules(opts: MountOptions) -> StepRules:
     """What commits a step (markers) and what is temporary (never uploaded)."""
     return StepRules(
@@ -355,7 +398,7 @@ def _names(value: str | None) -> tuple[str, ...]:
 
 
 async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
-                metrics: Any = None) -> int:
+                metrics: Any = None, passthrough_asked: bool = False) -> int:
     started = time.time()
     on_control = ControlHandler(fs, opts, started, lambda: nursery.cancel_scope.cancel())
 
@@ -402,6 +445,19 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
         fs.live = True
         fs.kernel.start()
+        why = _start_passthrough(fs) if passthrough_asked else (
+            "the daemon was told --data-path fuse" if opts.data_path == "fuse"
+            else _passthrough_unavailable())
+        if why is not None and opts.data_path == "passthrough":
+            log.error("--data-path passthrough: %s", why)
+            _notify(ready_fd, f"--data-path passthrough: {why}")
+            nursery.cancel_scope.cancel()
+            return 1
+        if why is None:
+            log.info("data path: passthrough (reads and writes of files in this host's RAM "
+                     "tier bypass the daemon)")
+        else:
+            log.info("data path: fuse (%s)", why)
         log.info(
             "mounted %s: node %s, RAM dir %s, RAM size %s, %d files re-adopted",
             opts.mountpoint, opts.node_id, opts.ram_dir, format_size(opts.ram_size),

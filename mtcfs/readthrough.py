@@ -396,6 +396,11 @@ class ReadThrough:
             self.prefetch_errors.pop(node.ino, None)
             self._nursery.start_soon(one, node)
 
+    def fetching(self, node: Inode) -> bool:
+        """A download of this file is under way."""
+        f = self.fetches.get(node.ino)
+        return f is not None and not (f.done or f.error)
+
     def fetched_bytes(self, node: Inode) -> int:
         """Bytes of a file in the RAM tier (verified so far, while it is fetched)."""
         if node.has_data:

@@ -56,6 +56,21 @@ def wait_until(cond: Callable[[], Any], timeout: float = 60.0, interval: float =
         time.sleep(interval)
 
 
+def data_files(ram_dir: Path) -> list[Path]:
+    """The RAM tier's data files (<ram-dir>/data/<ino>), not its .incoming and .trash."""
+    return [p for p in (ram_dir / "data").iterdir() if not p.name.startswith(".")]
+
+
+def unmount_under(root: Path) -> None:
+    """Detach every mount below `root` (a RAM tier's own tmpfs, a leaked FUSE mount)."""
+    from mtcfs.mountinfo import mountinfo
+
+    prefix = str(root) + os.sep
+    for e in reversed(mountinfo()):
+        if e.mount_point.startswith(prefix):
+            subprocess.run(["umount", "-l", e.mount_point], capture_output=True)
+
+
 def blob(seed: int, size: int) -> bytes:
     """Reproducible test data."""
     return random.Random(seed).randbytes(size)
@@ -108,8 +123,15 @@ class MtcfsMount:
         r = mtcfs("status", str(self.path), "--json", check=True)
         return json.loads(r.stdout)
 
-    def state(self, rel: str) -> dict:
-        return json.loads(os.getxattr(self.path / rel, "user.mtcfs.state"))
+    def state(self, rel: str, settle: bool = True) -> dict:
+        """user.mtcfs.state of a file. settle: past `sealing` (with passthrough a closed
+        file is checksummed when the kernel releases it, a moment after close())."""
+        deadline = time.monotonic() + 10
+        while True:
+            st = json.loads(os.getxattr(self.path / rel, "user.mtcfs.state"))
+            if not settle or st.get("state") != "sealing" or time.monotonic() > deadline:
+                return st
+            time.sleep(0.005)
 
     def kill9(self) -> None:
         """Crash the daemon: the mount is left dead (ENOTCONN) as in real life."""
@@ -140,17 +162,27 @@ def ram_root() -> Iterator[Path]:
     root = Path("/dev/shm") / f"mtcfs-test-{uuid.uuid4().hex[:10]}"
     root.mkdir()
     yield root
+    unmount_under(root)  # passthrough mounts make their RAM tier a tmpfs of its own
     shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
-def make_mount(tmp_path: Path, ram_root: Path) -> Iterator:
+def data_path() -> str:
+    """--data-path of the mounts a test makes. Modules that cover both data paths
+    override this with a fixture parametrized over "passthrough" and "fuse"."""
+    return "auto"
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path, ram_root: Path, data_path: str) -> Iterator:
     mounts: list[MtcfsMount] = []
 
     def make(name: str = "a", ram_size: str = "2GiB", extra: tuple[str, ...] = (),
              start: bool = True) -> MtcfsMount:
         mp = tmp_path / f"mnt-{name}"
         mp.mkdir(exist_ok=True)
+        if "--data-path" not in extra:
+            extra = (*extra, "--data-path", data_path)
         m = MtcfsMount(mp, ram_root / f"ram-{name}", ram_size, f"node-{name}", extra)
         mounts.append(m)
         return m.start() if start else m
@@ -176,6 +208,8 @@ def mnt(make_mount) -> MtcfsMount:
 # Appended section (other engineers append fixtures too), hence the late import.
 
 import gcs_server as _gcs  # noqa: E402
+
+BOTH_DATA_PATHS = ["passthrough", "fuse"]
 
 
 @pytest.fixture(scope="session")

@@ -188,7 +188,7 @@ def counters(st: dict) -> dict[str, Any]:
 
 
 def listing(d: Path) -> list[str]:
-    return sorted(os.listdir(d))
+    return sorted(n for n in os.listdir(d) if not n.startswith("."))
 
 
 def state(n: Node, cli: bool = False) -> dict[str, Any]:
@@ -201,7 +201,7 @@ def state(n: Node, cli: bool = False) -> dict[str, Any]:
         "tree": tree(n.mount.path),
         "status": counters(st),
         "data": listing(n.ram_dir / "data"),
-        "incoming": listing(n.ram_dir / "incoming"),
+        "incoming": listing(n.ram_dir / "data" / ".incoming"),
         "snapshot": sorted(e.SerializeToString(deterministic=True)
                            for batch in snap for e in batch.entries),
         "held": sorted(f.SerializeToString(deterministic=True) for f in held.files),
@@ -215,9 +215,10 @@ def assert_unchanged(n: Node, before: dict[str, Any], what: str, cli: bool = Fal
     assert after["incoming"] == [], f"{what} left a partial replica in incoming/"
     # A rejected replica goes to trash/, which a worker empties: the space comes back.
     deadline = time.monotonic() + 5
-    while listing(n.ram_dir / "trash") and time.monotonic() < deadline:
+    trash = n.ram_dir / "data" / ".trash"
+    while listing(trash) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert listing(n.ram_dir / "trash") == [], f"{what}: a rejected replica stays in trash/"
+    assert listing(trash) == [], f"{what}: a rejected replica stays in trash/"
 
 
 def assert_serving(n: Node) -> None:

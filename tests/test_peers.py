@@ -28,7 +28,7 @@ import pytest
 from mtcfs import control
 from mtcfs.peer import placement
 
-from conftest import MtcfsMount, PeerCluster, blob, crc_of, mtcfs, wait_until
+from conftest import MtcfsMount, PeerCluster, blob, crc_of, data_files, mtcfs, wait_until
 
 MiB = 1 << 20
 
@@ -96,7 +96,7 @@ def wait_content(m: MtcfsMount, rel: str, data: bytes, timeout: float = 30.0) ->
 def ram_copies(m: MtcfsMount, crc: int, size: int) -> list[Path]:
     """Data files in the host's RAM dir (<ram-dir>/data/<ino>) with this size and crc32c."""
     out = []
-    for p in (m.ram_dir / "data").iterdir():
+    for p in data_files(m.ram_dir):
         try:
             if p.stat().st_size == size and file_crc(p) == crc:
                 out.append(p)
@@ -383,7 +383,7 @@ def test_torch_dcp_save_then_load_on_replacement(make_cluster, tmp_path):
 
     c.kill9("c")
     new = c.replace("c")  # same node id, same address, EMPTY RAM dir
-    assert new.node_id == "node-c" and not any((new.ram_dir / "data").iterdir())
+    assert new.node_id == "node-c" and not data_files(new.ram_dir)
     assert sorted(os.listdir(new.path / "step_100")) == names
     r = subprocess.run([sys.executable, "-c", DCP_LOAD, str(new.path / "step_100")],
                        capture_output=True, text=True, timeout=180)
@@ -417,7 +417,7 @@ def test_kill_target_during_replication(make_cluster):
     size = 200 * MiB
     data = blob(6, size)
     want = crc_of(data)
-    incoming = target.ram_dir / "incoming"
+    incoming = target.ram_dir / "data" / ".incoming"
     write(a, "big", data)
 
     def partial_replica() -> bool:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -34,6 +35,14 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
+from conftest import BOTH_DATA_PATHS
+
+
+@pytest.fixture(params=BOTH_DATA_PATHS)
+def data_path(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with passthrough and with every byte through the daemon."""
+    return request.param
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2

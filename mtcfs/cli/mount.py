@@ -9,6 +9,7 @@ import click
 
 from mtcfs.cli.common import usage_error
 from mtcfs.config import (
+    DATA_PATHS,
     FSYNC_LEVELS,
     LOG_FORMATS,
     LOG_LEVELS,
@@ -80,6 +81,10 @@ from mtcfs.config import (
 @click.option("--visibility", type=click.Choice(VISIBILITY_MODES, case_sensitive=False),
               help="fsync: plain close() returns at once and reaches peers in the background; "
                    "close: every close() also waits for the peers  [default: fsync]")
+@click.option("--data-path", type=click.Choice(DATA_PATHS, case_sensitive=False),
+              help="passthrough: the kernel reads and writes files in the RAM tier without "
+                   "the daemon (Linux >= 6.9, CAP_SYS_ADMIN); fuse: every byte passes the "
+                   "daemon; auto: passthrough where it works  [default: auto]")
 @click.option("--metrics-port", type=int, metavar="PORT",
               help="serve Prometheus metrics at /metrics and /healthz on PORT")
 @click.option("--metrics-address", metavar="ADDR",

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from mtcfs.fs.kernel import KernelCache
-from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, Inode, Namespace
+from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, SEALING, Inode, Namespace
+from mtcfs.fs.passthrough import Passthrough
 from mtcfs.integrity import StreamingCrc, block_crcs_of_fd, format_crc
 from mtcfs.persist.steps import StepRules, dirs_under
 from mtcfs.tiers.ram import RamTier, RamTierFull
@@ -102,6 +103,7 @@ class Handle:
     append: bool
     sync: bool = False  # opened with O_SYNC/O_DSYNC: the fsync level applies at close
     uid: int = 0  # the opener's: an unprivileged writer clears set-id bits
+    backing: int = 0  # its backing file id: reads and writes bypass the daemon
 
 
 @dataclass
@@ -125,6 +127,11 @@ class Filesystem:
         self.visibility_mode = visibility
         self.visibility: Visibility = LocalOnly()
         self.data_path = "fuse"  # or "passthrough": reads and writes bypass the daemon
+        self.passthrough = Passthrough(lambda fd: 0, lambda backing: None)
+        # A writer is opened with passthrough only while the RAM tier has this much
+        # room (its writes cannot be made to wait); below it, writes pass the daemon,
+        # which makes them wait for room as eviction frees it.
+        self.write_headroom = min(1 << 30, max(16 << 20, ram.capacity // 8))
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, tuple[Inode, list[tuple[bytes, int]]]] = {}
         self._next_fh = 1
@@ -160,7 +167,12 @@ class Filesystem:
         incomplete = 0
         with self.ns.store.transaction():
             for node in self.ns.files():
-                if node.state == OPEN:
+                if node.state == SEALING and self.ram.exists(node.ino):
+                    # Closed by its last writer; its checksum was not recorded yet.
+                    self._seal_at_start(node, same_or_incomplete=False)
+                elif node.state in (OPEN, SEALING):
+                    if self._seal_at_start(node, same_or_incomplete=True):
+                        continue  # opened for writing, but its data never changed
                     node.state = INCOMPLETE
                     node.crc32c = None
                     self.ns.persist(node)
@@ -186,6 +198,33 @@ class Filesystem:
         if adopted or orphans or incomplete:
             log.info("re-adopted %d files from %s (%d incomplete, %d orphaned data files removed)",
                      adopted, self.ram.root, incomplete, orphans)
+
+    def _seal_at_start(self, node: Inode, same_or_incomplete: bool) -> bool:
+        """At start-up, checksum a file's data in RAM. same_or_incomplete: accept it
+        only if it is its last sealed version unchanged (an open that never wrote).
+        Returns True when the file is sealed."""
+        try:
+            fd = os.open(self.ram.path(node.ino), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            if same_or_incomplete and (not node.version or node.crc32c is None
+                                       or size != node.size):
+                return False
+            crc, blocks = block_crcs_of_fd(fd, size)
+        finally:
+            os.close(fd)
+        if same_or_incomplete and crc != node.crc32c:
+            return False
+        if not same_or_incomplete and not (crc == node.crc32c and size == node.size):
+            node.version += 1
+            node.holders = [self.node_id]
+            node.writer = self.node_id
+        node.size, node.crc32c, node.block_crcs, node.state = size, crc, blocks, CLOSED
+        self.ns.persist(node)
+        log.info("sealed %s at start-up (%d bytes)", self.ns.path_of(node), size)
+        return True
 
     # -- lookups ---------------------------------------------------------------
 
@@ -243,6 +282,21 @@ class Filesystem:
         if node.stale and not node.opens:
             raise FsError(errno.ESTALE)
         return node
+
+    def refresh(self, node: Inode) -> None:
+        """A file written through passthrough: its size and mtime are the RAM file's
+        (the daemon does not see those writes)."""
+        if not (node.pt_writers or node.pt_changed or node.state == SEALING):
+            return
+        try:
+            st = os.stat(self.ram.path(node.ino))
+        except FileNotFoundError:
+            return
+        node.size = st.st_size
+        if st.st_mtime_ns != node.ram_mtime_ns:  # written since: (else kept, e.g. utimensat)
+            node.ram_mtime_ns = st.st_mtime_ns
+            node.mtime_ns = node.ctime_ns = st.st_mtime_ns
+        self.ram.reconcile(node.ino)
 
     def _maybe_drop(self, node: Inode) -> None:
         if node.linked or node.opens or node.ino == ROOT:
@@ -597,12 +651,35 @@ class Filesystem:
         fd = self.ram.acquire(node.ino)
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND),
-                                  bool(flags & (os.O_SYNC | os.O_DSYNC)), uid)
+        h = self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND),
+                                      bool(flags & (os.O_SYNC | os.O_DSYNC)), uid)
         node.opens += 1
         if writable:
             node.writers += 1
+        h.backing = self.passthrough.open(node.ino, fd, self._passthrough_allowed(node, writable))
+        if h.backing and writable:
+            # Its writes will not pass the daemon: the file counts as changed from now on
+            # (a crash leaves it incomplete, unless its data turns out unchanged), and is
+            # checksummed from its RAM file when the last writer is gone.
+            node.pt_writers += 1
+            node.pt_changed = True
+            self._mark_dirty(node)
+            self._crc[node.ino] = StreamingCrc(valid=False)
+            node.wseq += 1
         return fh
+
+    def _passthrough_allowed(self, node: Inode, writable: bool) -> bool:
+        """May the first open of `node` pass through (see mtcfs.fs.passthrough)?"""
+        if not node.has_data or node.state == INCOMPLETE:
+            return False  # being fetched, or never served: the daemon serves it
+        if self.readthrough is not None and self.readthrough.fetching(node):
+            return False
+        if writable:
+            if node.mode & SETID:
+                return False  # its first write clears them: that write must reach us
+            if self.ram.free < self.write_headroom:
+                return False  # through the daemon, a writer can wait for room
+        return True
 
     def handle(self, fh: int) -> Handle:
         h = self.handles.get(fh)
@@ -727,15 +804,27 @@ class Filesystem:
         now if this is the last writer, so close() returns only once the
         file's state and crc32c are recorded; then, for a file that was fsynced,
         a commit marker, or every file with --visibility close, wait until every
-        live peer has the seal."""
+        live peer has the seal.
+
+        A file written through passthrough is sealed when its last handle is
+        released (a shared writable mapping may outlive close()): close() marks it
+        `sealing` and returns at once, unless it must be visible now."""
         h = self.handle(fh)
         node = h.node
         if not h.writable:
             return
+        visible = (node.fsynced or h.sync or self.visibility_mode == "close"
+                   or self.commits(node))
         if node.writers <= 1 and node.dirty:
-            await self.seal(node)
-        if (node.fsynced or h.sync or self.visibility_mode == "close"
-                or self.commits(node)) and not node.dirty:
+            if h.backing and not visible:
+                self.refresh(node)
+                if node.state != SEALING:
+                    node.state = SEALING
+                    with self.ns.store.transaction():
+                        self.ns.persist(node)
+            else:
+                await self.seal(node)
+        if visible and not node.dirty:
             await self._visible(node, "close of")
         if h.sync and not node.dirty:
             await self._durable(node)
@@ -752,7 +841,9 @@ class Filesystem:
                 with self.ns.store.transaction():
                     self.ns.persist(node)
             return
-        if node.dirty:
+        if h.backing:
+            await trio.to_thread.run_sync(os.fsync, h.fd)  # no-op on tmpfs, but honest
+        if node.dirty or node.state == SEALING:
             await self.seal(node)  # a version others can see: what was written so far
             if node.dirty:
                 return  # written during the seal's pass: the next fsync/close seals it
@@ -776,10 +867,15 @@ class Filesystem:
             return
         node = h.node
         node.opens -= 1
+        self.passthrough.release(node.ino, h.backing)
         if h.writable:
             node.writers -= 1
-            if node.writers == 0 and node.dirty:
+            if h.backing:
+                node.pt_writers -= 1
+            if node.writers == 0 and (node.dirty or node.state == SEALING or node.pt_changed):
+                # The last writer is gone (with it any mapping): the final checksum.
                 await self.seal(node)
+                node.pt_changed = node.dirty and node.pt_writers > 0
         self.ram.release(node.ino)
         if node.opens == 0:
             self._crc.pop(node.ino, None)
@@ -790,6 +886,9 @@ class Filesystem:
         if not node.linked:
             node.dirty = False
             return
+        if node.pt_changed:
+            self.refresh(node)  # written through passthrough: the RAM file says how big
+            self._crc[node.ino] = StreamingCrc(valid=False)
         stream = self._crc_for(node)
         crc, blocks = stream.result(node.size), stream.blocks(node.size)
         seq = node.wseq
@@ -807,19 +906,31 @@ class Filesystem:
         self._seal_now(node, crc, blocks)
 
     def _seal_now(self, node: Inode, crc: int, blocks: bytes | None = b"") -> None:
+        # Opened for writing but unchanged (e.g. a read-write open that only read): the
+        # same version, its copies and persisted object still good.
+        same = (node.version > 0 and node.crc32c == crc and node.block_crcs == blocks
+                and node.size == node.sealed_size and node.state != INCOMPLETE
+                and not node.cached and node.writer == self.node_id)
         node.crc32c = crc
         node.block_crcs = blocks
         node.state = CLOSED
-        node.version += 1
         node.dirty = False
         node.sealed_size = node.size
-        node.holders = [self.node_id]
-        node.writer = self.node_id
+        if not same:
+            node.version += 1
+            node.holders = [self.node_id]
+            node.writer = self.node_id
         node.cached = False
         self.ram.reconcile(node.ino)
         with self.ns.store.transaction():
             self.ns.persist(node)
         self.stats.seals += 1
+        if same:
+            if self.uploader is not None:
+                self.uploader.on_sealed(node)  # queued again if it was not persisted yet
+            if self.peers is not None:
+                self.peers.on_changed(node)
+            return
         if self.lifecycle is not None:
             self.lifecycle.on_sealed(node)
         if self.uploader is not None:
@@ -830,13 +941,22 @@ class Filesystem:
     # -- extended attributes -----------------------------------------------------
 
     def state_of(self, node: Inode) -> dict[str, object]:
+        self.refresh(node)
         if node.is_dir:
             return {"type": "directory", "path": self.ns.path_of(node)}
         if not node.is_file:
             return {"type": "symlink" if stat.S_ISLNK(node.mode) else "special",
                     "path": self.ns.path_of(node)}
-        closed = node.state == CLOSED
         here = node.has_data and node.state != INCOMPLETE
+        st = self._file_state(node, here)
+        if node.pt_writers and node.state == CLOSED:
+            # Its writer may change it unseen (passthrough): open; the last fsync's
+            # version is what other hosts read until it is closed.
+            st["state"] = st["lifecycle"] = OPEN
+        return st
+
+    def _file_state(self, node: Inode, here: bool) -> dict[str, object]:
+        closed = node.state == CLOSED
         holders = list(node.holders) if closed else []
         if here and closed and self.node_id not in holders:
             holders.append(self.node_id)  # e.g. fetched (a cached copy)

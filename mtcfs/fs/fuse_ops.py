@@ -55,11 +55,20 @@ class FuseOperations(pyfuse3.Operations):
     enable_killpriv_v2 = True
     supports_dot_lookup = True
 
-    def __init__(self, fs: Filesystem) -> None:
+    # Asked for with --data-path passthrough|auto (the patched pyfuse3 negotiates it,
+    # and the writeback cache, which the kernel refuses with it, is then not asked for).
+    enable_passthrough = False
+    passthrough_stack_depth = 1  # backing files on tmpfs (depth 0): one more is allowed
+
+    def __init__(self, fs: Filesystem, passthrough: bool = False) -> None:
         super().__init__()
         self.fs = fs
+        if passthrough:
+            self.enable_passthrough = True
+            self.enable_writeback_cache = False
 
     def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
+        self.fs.refresh(node)  # written through passthrough: size and mtime from RAM
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
@@ -168,7 +177,7 @@ class FuseOperations(pyfuse3.Operations):
         s.f_bsize = BLOCK
         s.f_frsize = BLOCK
         s.f_blocks = ram.capacity // BLOCK
-        s.f_bfree = max(0, ram.capacity - ram.used) // BLOCK
+        s.f_bfree = ram.free // BLOCK
         s.f_bavail = s.f_bfree
         s.f_files = 1 << 32
         s.f_ffree = s.f_files - len(self.fs.ns.inodes)
@@ -212,11 +221,17 @@ class FuseOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         flags = self._open_flags(flags)
         fh, node = self.fs.create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attrs(node)
+        return self._file_info(fh), self.attrs(node)
 
     @fuse_errors
     async def open(self, inode, flags, ctx):
         fh = await self.fs.open(self.fs.node(inode), self._open_flags(flags), ctx.uid)
+        return self._file_info(fh)
+
+    def _file_info(self, fh: int) -> pyfuse3.FileInfo:
+        backing = self.fs.handle(fh).backing
+        if backing:  # the kernel refuses keep_cache with passthrough
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def read(self, fh, off, size):

@@ -23,6 +23,7 @@ ROOT_GUID = "root"
 
 # Per-file states (DESIGN.md lifecycle). Directories and symlinks have none.
 OPEN = "open"  # being written; content not yet sealed
+SEALING = "sealing"  # closed by its last writer, crc32c being computed (passthrough)
 CLOSED = "closed"  # sealed, crc32c known
 INCOMPLETE = "incomplete"  # was open when the daemon died: never served
 
@@ -73,6 +74,9 @@ class Inode:
     # looks the path up again (and finds the new file, or none).
     stale: bool = False
     copy_grace: float = 0.0  # another host copies it under its new name until then
+    pt_writers: int = 0  # handles writing through passthrough (unseen by the daemon)
+    pt_changed: bool = False  # a passthrough writer was open since the last final seal
+    ram_mtime_ns: int = 0  # the RAM file's mtime when its size/mtime were last taken
     fsynced: bool = False  # fsync'd since opened: its close waits until peers have it
     sealed_size: int = 0  # size of the last sealed version (served while rewritten)
 
@@ -110,7 +114,9 @@ class Inode:
             self.ctime_ns,
             self.rdev,
             self.target,
-            self.state,
+            # A file open for writing through passthrough may change unseen: recorded as
+            # open, so a crash leaves it incomplete unless its data is its sealed version.
+            OPEN if self.pt_writers and self.state == CLOSED else self.state,
             self.crc32c,
             self.version,
             self.persisted_version,
@@ -153,6 +159,7 @@ class Namespace:
                 r.persisted_version, r.generation, r.has_data, r.guid or new_guid(),
                 r.lamport, r.writer, [h for h in r.holders.split(",") if h], r.block_crcs,
             )
+            ino.sealed_size = r.size
             if r.ino == ROOT:
                 ino.guid = ROOT_GUID
             self.by_guid[ino.guid] = r.ino

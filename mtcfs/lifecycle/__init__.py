@@ -64,6 +64,8 @@ class Lifecycle:
     async def run(self, nursery: trio.Nursery) -> None:
         if self.retention is not None:
             nursery.start_soon(self.retention.run)
+        if self.fs.ram.own_tmpfs:
+            nursery.start_soon(self.space.keep_room, self.fs.write_headroom)
         if self.withdrawal is not None:
             nursery.start_soon(self.withdrawal.run)
 

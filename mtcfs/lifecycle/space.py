@@ -40,6 +40,8 @@ HEADROOM_FRACTION = 0.02
 HEADROOM_MAX = 256 << 20
 # A waiting writer re-checks at least this often (uploads and replicas also wake it).
 RECHECK = 0.5
+KEEP_ROOM_EVERY = 0.2  # passthrough: how often free room is checked
+FULL_BELOW = 1 << 20  # passthrough: the tier counts as full below this
 
 
 class NoSpace(OSError):
@@ -56,6 +58,7 @@ class Stats:
     enospc: int = 0
     last_full: str = ""  # why the last write was refused, for `mtcfs status`
     last_full_time: float = 0.0
+    full_passthrough: int = 0  # times the tier filled up under passthrough writers
 
 
 @dataclass
@@ -238,6 +241,28 @@ class SpaceManager:
             log.error("ENOSPC writing %s: %s", what, why)
         raise NoSpace(why)
 
+    async def keep_room(self, headroom: int) -> None:
+        """With passthrough (writes the daemon does not see, bounded by the kernel's
+        tmpfs): evict safe copies ahead of need, to keep twice `headroom` free, so that
+        writers rarely meet a full tier; say so when it fills up anyway (those writers
+        get ENOSPC from the kernel, at once)."""
+        ram = self.fs.ram
+        full = False
+        while True:
+            await trio.sleep(KEEP_ROOM_EVERY)
+            if ram.free < 2 * headroom:
+                self.make_room_now(2 * headroom)
+            if ram.free < FULL_BELOW:
+                if not full:
+                    full = True
+                    self.stats.full_passthrough += 1
+                    why = self.why_full(FULL_BELOW, 0.0)
+                    self.stats.last_full, self.stats.last_full_time = why, time.time()
+                    log.error("the RAM tier is full: writers through passthrough get ENOSPC "
+                              "from the kernel until room is made: %s", why)
+            else:
+                full = False
+
     def why_full(self, need: int, waited: float) -> str:
         """One line saying what holds the RAM tier and why none of it may go."""
         ram = self.fs.ram
@@ -275,6 +300,7 @@ class SpaceManager:
             "waits": s.waits,
             "wait_seconds": round(s.wait_seconds, 3),
             "enospc": s.enospc,
+            "full_under_passthrough": s.full_passthrough,
             "last_full": s.last_full or None,
             "last_full_age": round(time.time() - s.last_full_time, 1) if s.last_full else None,
         }

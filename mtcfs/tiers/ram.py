@@ -8,6 +8,15 @@ it again.
 Space accounting is exact for what is written past the end of a file (the
 common, sequential case). Bytes written into holes are counted when the file
 is sealed or truncated, from the blocks tmpfs really allocated.
+
+With FUSE passthrough the trainer's writes go to these files without passing
+the daemon, so the daemon cannot count them: the data directory is then a
+tmpfs of its own, mounted with size=--ram-size, and the kernel enforces the
+budget (`own_tmpfs`). What is used is then what that tmpfs says, or what the
+daemon has reserved (replicas and fetches about to arrive), whichever is more.
+Everything the budget covers lives in that one directory (replicas being
+received in `.incoming`, data being deleted in `.trash`), so renames between
+them never cross filesystems.
 """
 
 from __future__ import annotations
@@ -16,8 +25,12 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
+import subprocess
 
 import trio
+
+from mtcfs.mountinfo import entry_at
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +42,38 @@ class RamTierFull(OSError):
 
 
 class RamTier:
-    def __init__(self, root: str, capacity: int) -> None:
+    def __init__(self, root: str, capacity: int, own_tmpfs: bool = False) -> None:
         self.root = root
         self.data_dir = os.path.join(root, "data")
-        self.trash_dir = os.path.join(root, "trash")
-        self.incoming_dir = os.path.join(root, "incoming")  # replicas being received
-        for d in (self.data_dir, self.trash_dir, self.incoming_dir):
+        self.incoming_dir = os.path.join(self.data_dir, ".incoming")  # replicas being received
+        self.trash_dir = os.path.join(self.data_dir, ".trash")
+        self.own_tmpfs = own_tmpfs
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        _drop_old_layout(root)
+        if own_tmpfs:
+            mount_tmpfs(self.data_dir, capacity)
+        for d in (self.incoming_dir, self.trash_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
         self._incoming_seq = 0
         self._trash_seq = 0
         self.trash_added = trio.Event()
         self.capacity = capacity
-        self.used = 0
+        self._used = 0  # what the daemon has charged: written through it, or reserved
         self._charged: dict[int, int] = {}
         self._fds: dict[int, list[int]] = {}  # ino -> [fd, refcount]
         self.enospc_count = 0  # writes refused (counted by the filesystem)
         self.refused_incoming = 0  # replicas from peers refused for lack of space
+
+    @property
+    def used(self) -> int:
+        if not self.own_tmpfs:
+            return self._used
+        st = os.statvfs(self.data_dir)
+        return max(self._used, (st.f_blocks - st.f_bfree) * st.f_frsize)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
 
     # -- files -----------------------------------------------------------------
 
@@ -134,7 +163,7 @@ class RamTier:
             free = self.capacity - self.used
             if grow > free:
                 raise RamTierFull(grow, free)
-            self.used += grow
+            self._used += grow
             self._charged[ino] = self._charged.get(ino, 0) + grow
         try:
             return os.pwrite(fd, buf, off)
@@ -165,7 +194,7 @@ class RamTier:
         return self._charged.get(ino, 0)
 
     def _set_charge(self, ino: int, amount: int) -> None:
-        self.used += amount - self._charged.get(ino, 0)
+        self._used += amount - self._charged.get(ino, 0)
         self._charged[ino] = amount
 
     # -- replicas received from peers ---------------------------------------------
@@ -218,6 +247,8 @@ class RamTier:
             os.unlink(os.path.join(self.incoming_dir, name))
         adopted = removed = 0
         for name in os.listdir(self.data_dir):
+            if name.startswith("."):
+                continue  # .incoming, .trash
             try:
                 ino = int(name)
             except ValueError:
@@ -234,3 +265,48 @@ class RamTier:
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _drop_old_layout(root: str) -> None:
+    """Before replicas and trash moved into data/, they lived beside it: both only
+    ever hold leftovers (emptied at start-up)."""
+    for name in ("incoming", "trash"):
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(os.path.join(root, name))
+
+
+def mount_tmpfs(path: str, size: int) -> None:
+    """Make `path` a tmpfs of `size` bytes: mount one, or resize the one a previous
+    daemon mounted (a restarted daemon re-adopts what it holds). Data found in the
+    directory before it was a mount (an earlier daemon without passthrough) is
+    moved into the new tmpfs first. Needs CAP_SYS_ADMIN."""
+    e = entry_at(path)
+    opts = f"size={size},mode=0700"
+    if e is not None and e.fstype == "tmpfs":
+        _mount(["-o", f"remount,{opts}", path])
+        return
+    old = [n for n in os.listdir(path)]
+    aside = ""
+    if old:
+        aside = path + ".premount"
+        os.rename(path, aside)
+        os.makedirs(path, mode=0o700)
+    _mount(["-t", "tmpfs", "-o", opts, "mtcfs-ram", path])
+    if aside:
+        for name in os.listdir(aside):  # sparse-aware copy: cp keeps the holes
+            subprocess.run(["cp", "-a", "--sparse=always", os.path.join(aside, name), path],
+                           check=True, capture_output=True)
+        shutil.rmtree(aside)
+        log.info("moved %d data files into the RAM tier's tmpfs %s", len(old), path)
+
+
+def _mount(args: list[str]) -> None:
+    r = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise OSError(errno.EPERM, f"mount {' '.join(args)}: {r.stderr.strip()}")
+
+
+def unmount_tmpfs(path: str) -> None:
+    """Unmount the RAM tier's tmpfs (its data goes with it): tests and tear-down."""
+    if entry_at(path) is not None:
+        subprocess.run(["umount", "-l", path], capture_output=True)
