@@ -16,24 +16,26 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from mtcfs.tiers.durable import (
+from mtcfs.checksums import (
     CHUNK_META_KEY,
+    IntegrityError,  # every integrity failure (the durable tier's are a subclass)
+    chunk_crcs_of_fd,
+    chunk_size_for,
+    crc32c_combine,
+    crc_of_chunks,
+    decode_chunk_meta,
+    encode_chunk_meta,
+)
+from mtcfs.tiers.durable import (
     DurableError,
     DurableTier,
-    IntegrityError,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
     Unavailable,
-    chunk_crcs_of_fd,
-    chunk_size_for,
-    crc_of_chunks,
-    decode_chunk_meta,
-    encode_chunk_meta,
     open_durable,
 )
 from mtcfs.tiers.durable.base import RangeWriter, parallel_download
-from mtcfs.tiers.durable.crc import crc32c_combine
 from mtcfs.tiers.durable.gcs import GcsTier
 from mtcfs.tiers.durable.localdir import XATTR_META, LocalDirTier
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtcfs.integrity import (
+from mtcfs.checksums import (
     BLOCK,
     StreamingCrc,
     block_count,
@@ -309,3 +309,24 @@ def test_throughput_report() -> None:
     print(f"\n1 GiB in 1 MiB bufs: google_crc32c.extend {gib / base:.2f} GiB/s, "
           f"StreamingCrc aligned {gib / aligned:.2f} GiB/s ({aligned / base - 1:+.1%}), "
           f"unaligned {gib / unaligned:.2f} GiB/s ({unaligned / base - 1:+.1%})")
+
+
+def test_chunk_crcs_derive_from_block_crcs(tmp_path):
+    """An object's chunk crcs (durable tier) follow from the file's block crcs (RAM tier,
+    peers) without reading the data again: one scheme."""
+    from mtcfs.checksums import chunk_crcs_from_blocks, chunk_crcs_of_fd
+
+    for size in (0, 1, BLOCK - 1, BLOCK, 16 * BLOCK + 5, 300 * BLOCK + 17):
+        p = tmp_path / f"f{size}"
+        with open(p, "wb") as f:
+            f.truncate(size)
+            if size:
+                f.seek(random.Random(size).randrange(size))
+                f.write(b"x" * min(5000, size))
+            f.truncate(size)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            _, blocks = block_crcs_of_fd(fd, size)
+            assert chunk_crcs_from_blocks(blocks, size) == chunk_crcs_of_fd(fd, size), size
+        finally:
+            os.close(fd)

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from mtcfs.checksums import StreamingCrc, block_crcs_of_fd, format_crc
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, SEALING, Inode, Namespace
 from mtcfs.fs.passthrough import Passthrough
-from mtcfs.integrity import StreamingCrc, block_crcs_of_fd, format_crc
 from mtcfs.persist.steps import StepRules, dirs_under
 from mtcfs.tiers.ram import RamTier, RamTierFull
 

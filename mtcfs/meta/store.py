@@ -118,7 +118,7 @@ class InodeRow:
     lamport: int = 0  # (lamport, writer): the last change's stamp, last writer wins
     writer: str = ""
     holders: str = ""  # comma-separated node ids with a verified copy of this version
-    block_crcs: bytes | None = None  # crc32c per 4 MiB block (mtcfs.integrity.BLOCK)
+    block_crcs: bytes | None = None  # crc32c per 4 MiB block (mtcfs.checksums.BLOCK)
 
 
 class MetaStore:

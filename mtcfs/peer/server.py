@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import trio
 
-from mtcfs.integrity import BlockVerifier, IntegrityError
+from mtcfs.checksums import BlockVerifier, IntegrityError
 from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.v1 import peer_pb2 as pb

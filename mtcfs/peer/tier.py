@@ -28,8 +28,8 @@ from typing import Any
 import grpc
 import trio
 
+from mtcfs.checksums import BlockVerifier, IntegrityError
 from mtcfs.fs.namespace import CLOSED, Inode, Namespace
-from mtcfs.integrity import BlockVerifier, IntegrityError
 from mtcfs.peer import mover, placement
 from mtcfs.peer.dissemination import Broadcaster, SendFailed
 from mtcfs.peer.index import Hooks, ReplicatedIndex

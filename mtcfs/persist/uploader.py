@@ -33,6 +33,13 @@ from typing import Any
 
 import trio
 
+from mtcfs.checksums import (
+    CHUNK_META_KEY,
+    chunk_crcs_from_blocks,
+    chunk_crcs_of_fd,
+    crc_of_chunks,
+    encode_chunk_meta,
+)
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
 from mtcfs.persist.policy import Mode, PersistPolicy
 from mtcfs.persist.steps import (
@@ -45,15 +52,10 @@ from mtcfs.persist.steps import (
 from mtcfs.tiers.durable import (
     DurableError,
     DurableTier,
+    IntegrityError,
     ObjectNotFound,
     PreconditionFailed,
     Unavailable,
-)
-from mtcfs.tiers.durable.base import (
-    CHUNK_META_KEY,
-    chunk_crcs_of_fd,
-    crc_of_chunks,
-    encode_chunk_meta,
 )
 
 log = logging.getLogger(__name__)
@@ -651,6 +653,7 @@ class Uploader:
     async def _upload(self, node: Inode) -> None:
         key = self.ns.path_of(node)
         version, crc, size, gen = node.version, node.crc32c, node.size, node.generation
+        blocks = node.block_crcs
         assert crc is not None
         path = self.data_path(node.ino)
         done = 0
@@ -661,19 +664,25 @@ class Uploader:
             self.stats.inflight_bytes_done += length
 
         def put() -> Any:
-            fd = os.open(path, os.O_RDONLY)
+            if blocks is not None:  # the chunks' crcs follow from the blocks': no pass
+                chunk, crcs = chunk_crcs_from_blocks(blocks, size)
+            else:  # sealed before per-block crcs were kept: one pass
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    chunk, crcs = chunk_crcs_of_fd(fd, size)
+                finally:
+                    os.close(fd)
+                if crc_of_chunks(chunk, crcs, size) != crc:
+                    raise FileChangedError(key)
             try:
-                chunk, crcs = chunk_crcs_of_fd(fd, size)
-            finally:
-                os.close(fd)
-            if crc_of_chunks(chunk, crcs, size) != crc:
-                # The data changed since the seal (rewritten in place): the next
-                # seal queues the new version.
-                raise FileChangedError(key)
-            return self.tier.put_file(
-                key, path, crc, if_generation_match=gen, progress=progress,
-                metadata={CHUNK_META_KEY: encode_chunk_meta(chunk, crcs)},
-            )
+                return self.tier.put_file(
+                    key, path, crc, if_generation_match=gen, progress=progress,
+                    metadata={CHUNK_META_KEY: encode_chunk_meta(chunk, crcs)},
+                )
+            except IntegrityError:
+                # The data changed since the seal (rewritten in place): the upload is
+                # refused by its checksum; the next seal queues the new version.
+                raise FileChangedError(key) from None
 
         t0 = time.monotonic()
         try:

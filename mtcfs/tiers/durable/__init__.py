@@ -22,8 +22,15 @@ import os
 import re
 from urllib.parse import unquote, urlsplit
 
-from mtcfs.tiers.durable.base import (
+from mtcfs.checksums import (
     CHUNK_META_KEY,
+    chunk_crcs_of_fd,
+    chunk_size_for,
+    crc_of_chunks,
+    decode_chunk_meta,
+    encode_chunk_meta,
+)
+from mtcfs.tiers.durable.base import (
     DurableError,
     DurableTier,
     IntegrityError,
@@ -34,11 +41,6 @@ from mtcfs.tiers.durable.base import (
     PreconditionFailed,
     Progress,
     Unavailable,
-    chunk_crcs_of_fd,
-    chunk_size_for,
-    crc_of_chunks,
-    decode_chunk_meta,
-    encode_chunk_meta,
     validate_key,
     validate_metadata,
 )

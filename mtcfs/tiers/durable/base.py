@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -22,7 +21,13 @@ from dataclasses import dataclass, field
 
 import google_crc32c
 
-from mtcfs.tiers.durable.crc import crc32c_combine
+from mtcfs import checksums
+from mtcfs.checksums import (
+    CHUNK_META_KEY,
+    crc32c_combine,
+    crc_of_chunks,
+    decode_chunk_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +56,9 @@ class PreconditionFailed(DurableError):
     """A generation precondition did not hold; nothing was changed."""
 
 
-class IntegrityError(DurableError):
-    """Data does not match its crc32c; the bad data was not kept or returned."""
-
-    # [start, end) of the one chunk found bad, when it is known (per-chunk crcs);
-    # None: the object as a whole, or unknown.
-    bad_range: tuple[int, int] | None = None
+class IntegrityError(DurableError, checksums.IntegrityError):
+    """Data does not match its crc32c; the bad data was not kept or returned.
+    bad_range: the one chunk found bad, when it is known (per-chunk crcs)."""
 
 
 class ObjectNotFound(DurableError):
@@ -135,89 +137,6 @@ def validate_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
         raise ValueError(f"custom metadata is {total} bytes, more than the "
                          f"{MAX_METADATA_BYTES} GCS allows")
     return out
-
-
-# -- per-chunk checksums in the object's metadata -----------------------------------
-#
-# GCS records one crc32c per object, verifiable only once every byte has arrived.
-# mtcfs records a crc32c per chunk as well, in custom metadata written with the
-# data, so a download can hand out each chunk as soon as it is verified.
-# Format: "v1:<chunk_size>:<crc32c of each chunk, 8 lowercase hex digits, no separator>".
-
-CHUNK_META_KEY = "mtcfs-chunks"
-MIN_META_CHUNK = 16 * MiB
-MAX_META_CHUNKS = 512  # 512 * 8 hex digits: the value stays near 4 KiB, under GCS's 8 KiB
-CRC_READ_PIECE = 4 * MiB
-_CHUNK_META_RE = re.compile(r"v1:([1-9][0-9]{0,18}):((?:[0-9a-f]{8})*)")
-
-
-def chunk_size_for(size: int) -> int:
-    """The chunk size recorded for an object of `size` bytes: 16 MiB, doubled until
-    there are at most 512 chunks."""
-    if size < 0:
-        raise ValueError("size must be >= 0")
-    chunk = MIN_META_CHUNK
-    while -(-size // chunk) > MAX_META_CHUNKS:
-        chunk *= 2
-    return chunk
-
-
-def chunk_crcs_of_fd(fd: int, size: int, *,
-                     chunk_size: int | None = None) -> tuple[int, list[int]]:
-    """(chunk_size, crc32c of each chunk) of fd[0:size], in one pass of pread()s of
-    at most 4 MiB. chunk_size defaults to chunk_size_for(size). The whole file's
-    crc32c follows without another pass: crc_of_chunks(). Raises IntegrityError if
-    the file is shorter than `size`."""
-    chunk = chunk_size_for(size) if chunk_size is None else chunk_size
-    if chunk <= 0:
-        raise ValueError("chunk_size must be positive")
-    crcs: list[int] = []
-    off = 0
-    while off < size:
-        end = min(off + chunk, size)
-        crc = 0
-        while off < end:
-            data = os.pread(fd, min(CRC_READ_PIECE, end - off), off)
-            if not data:
-                raise IntegrityError(f"file ended at byte {off}, expected {size} bytes")
-            crc = google_crc32c.extend(crc, data)
-            off += len(data)
-        crcs.append(crc)
-    return chunk, crcs
-
-
-def crc_of_chunks(chunk_size: int, crcs: Sequence[int], size: int) -> int:
-    """The whole object's crc32c from its chunks' crcs (chunks of chunk_size bytes,
-    the last one shorter)."""
-    crc = 0
-    for i, c in enumerate(crcs):
-        crc = crc32c_combine(crc, c, min(chunk_size, size - i * chunk_size))
-    return crc
-
-
-def encode_chunk_meta(chunk_size: int, crcs: Sequence[int]) -> str:
-    """The CHUNK_META_KEY metadata value for these chunk crcs."""
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be positive")
-    if any(not 0 <= c <= 0xFFFFFFFF for c in crcs):
-        raise ValueError("a crc32c is a 32-bit unsigned integer")
-    return f"v1:{chunk_size}:" + "".join(f"{c:08x}" for c in crcs)
-
-
-def decode_chunk_meta(value: str, size: int) -> tuple[int, list[int]] | None:
-    """(chunk_size, crcs) from a CHUNK_META_KEY value for an object of `size` bytes;
-    None if it is malformed in any way (it then protects nothing, and the object is
-    verified as a whole, like one written by another tool)."""
-    if not isinstance(value, str) or not isinstance(size, int) or size < 0:
-        return None
-    m = _CHUNK_META_RE.fullmatch(value)
-    if m is None:
-        return None
-    chunk = int(m.group(1))
-    hexes = m.group(2)
-    if len(hexes) // 8 != -(-size // chunk):
-        return None
-    return chunk, [int(hexes[i:i + 8], 16) for i in range(0, len(hexes), 8)]
 
 
 def validate_key(key: str) -> str:

@@ -54,6 +54,7 @@ from google.cloud import storage
 from google.cloud.storage.blob import Blob
 from google.cloud.storage.exceptions import InvalidResponse
 
+from mtcfs.checksums import crc_from_b64, crc_to_b64
 from mtcfs.tiers.durable.base import (
     DEFAULT_DOWNLOAD_CHUNK,
     DurableError,
@@ -72,7 +73,6 @@ from mtcfs.tiers.durable.base import (
     validate_prefix,
     verified_download,
 )
-from mtcfs.tiers.durable.crc import crc_from_b64, crc_to_b64
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,27 @@
-"""crc32c of file data: streamed while it is written, or one pass at seal time.
+"""Every checksum mtcfs keeps, in one scheme: crc32c.
 
-Besides the whole-file crc, files are checksummed per BLOCK-aligned block so
-that a byte range (e.g. one fetched from the durable tier) can be verified
-without reading the whole file. Block crcs are packed as little-endian uint32s.
+- A file's crc32c, and one crc32c per 4 MiB block (BLOCK), packed as
+  little-endian uint32s: streamed while it is written (StreamingCrc), or one
+  pass at seal time (block_crcs_of_fd). Copies between hosts are verified block
+  by block as they arrive (BlockVerifier).
+- An object in the durable tier carries, besides GCS's whole-object crc32c, one
+  crc32c per chunk in its custom metadata (CHUNK_META_KEY), so a download can
+  serve each chunk once verified. Chunks are whole numbers of blocks, so their
+  crcs derive from the file's block crcs without reading the data again
+  (chunk_crcs_from_blocks); crc32c_combine joins adjacent ranges.
+- Data that does not match is an IntegrityError: never served, never counted.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import errno
 import os
+import re
 import struct
 import threading
+from collections.abc import Sequence
 
 import google_crc32c
 
@@ -398,11 +410,14 @@ def verify_range(data: bytes, off: int, block_crcs: bytes, size: int,
 # -- verifying a copy as it arrives ------------------------------------------------------
 
 
-class IntegrityError(OSError):
-    """Data that does not match its checksum: never served, never counted."""
+class IntegrityError(Exception):
+    """Data that does not match its crc32c: never served, never counted, never kept.
 
-    def __init__(self, msg: str) -> None:
-        super().__init__(5, msg)  # EIO
+    The durable tier's integrity errors are a subclass (also a DurableError)."""
+
+    errno = errno.EIO
+    # [start, end) of the one chunk or block found bad, when it is known.
+    bad_range: tuple[int, int] | None = None
 
 
 class BlockVerifier:
@@ -475,3 +490,119 @@ class BlockVerifier:
             raise IntegrityError("the file does not match its crc32c")
         self.good = self.size
         return [(0, self.size)] if self.size else []
+
+
+# -- GCS's form of a crc32c ---------------------------------------------------------------
+
+
+def crc_to_b64(crc: int) -> str:
+    """GCS's form: base64 of the big-endian 4 bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+
+
+def crc_from_b64(value: str | None) -> int | None:
+    if not value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+# -- per-chunk checksums in an object's metadata --------------------------------------------
+#
+# GCS records one crc32c per object, verifiable only once every byte has arrived.
+# mtcfs records a crc32c per chunk as well, in custom metadata written with the
+# data, so a download can hand out each chunk as soon as it is verified.
+# Format: "v1:<chunk_size>:<crc32c of each chunk, 8 lowercase hex digits, no separator>".
+
+CHUNK_META_KEY = "mtcfs-chunks"
+MIN_META_CHUNK = 16 << 20  # a multiple of BLOCK: chunk crcs derive from block crcs
+MAX_META_CHUNKS = 512  # 512 * 8 hex digits: the value stays near 4 KiB, under GCS's 8 KiB
+CRC_READ_PIECE = 4 << 20
+_CHUNK_META_RE = re.compile(r"v1:([1-9][0-9]{0,18}):((?:[0-9a-f]{8})*)")
+
+
+def chunk_size_for(size: int) -> int:
+    """The chunk size recorded for an object of `size` bytes: 16 MiB, doubled until
+    there are at most 512 chunks."""
+    if size < 0:
+        raise ValueError("size must be >= 0")
+    chunk = MIN_META_CHUNK
+    while -(-size // chunk) > MAX_META_CHUNKS:
+        chunk *= 2
+    return chunk
+
+
+def chunk_crcs_from_blocks(packed_blocks: bytes, size: int,
+                           block: int = BLOCK) -> tuple[int, list[int]]:
+    """(chunk_size, chunk crcs) of a `size`-byte file from its block crcs: no data read."""
+    chunk = chunk_size_for(size)
+    per = chunk // block
+    blocks = unpack_crcs(packed_blocks)
+    if len(blocks) != block_count(size, block):
+        raise ValueError(f"{len(blocks)} block crcs for {size} bytes")
+    out = []
+    for i in range(0, len(blocks), per):
+        start = i * block
+        out.append(_combine_blocks(blocks[i:i + per], min(chunk, size - start), block))
+    return chunk, out
+
+
+def chunk_crcs_of_fd(fd: int, size: int, *,
+                     chunk_size: int | None = None) -> tuple[int, list[int]]:
+    """(chunk_size, crc32c of each chunk) of fd[0:size], in one pass of pread()s of
+    at most 4 MiB. chunk_size defaults to chunk_size_for(size). The whole file's
+    crc32c follows without another pass: crc_of_chunks(). Raises IntegrityError if
+    the file is shorter than `size`."""
+    chunk = chunk_size_for(size) if chunk_size is None else chunk_size
+    if chunk <= 0:
+        raise ValueError("chunk_size must be positive")
+    crcs: list[int] = []
+    off = 0
+    while off < size:
+        end = min(off + chunk, size)
+        crc = 0
+        while off < end:
+            data = os.pread(fd, min(CRC_READ_PIECE, end - off), off)
+            if not data:
+                raise IntegrityError(f"file ended at byte {off}, expected {size} bytes")
+            crc = google_crc32c.extend(crc, data)
+            off += len(data)
+        crcs.append(crc)
+    return chunk, crcs
+
+
+def crc_of_chunks(chunk_size: int, crcs: Sequence[int], size: int) -> int:
+    """The whole object's crc32c from its chunks' crcs (chunks of chunk_size bytes,
+    the last one shorter)."""
+    crc = 0
+    for i, c in enumerate(crcs):
+        crc = crc32c_combine(crc, c, min(chunk_size, size - i * chunk_size))
+    return crc
+
+
+def encode_chunk_meta(chunk_size: int, crcs: Sequence[int]) -> str:
+    """The CHUNK_META_KEY metadata value for these chunk crcs."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    if any(not 0 <= c <= 0xFFFFFFFF for c in crcs):
+        raise ValueError("a crc32c is a 32-bit unsigned integer")
+    return f"v1:{chunk_size}:" + "".join(f"{c:08x}" for c in crcs)
+
+
+def decode_chunk_meta(value: str, size: int) -> tuple[int, list[int]] | None:
+    """(chunk_size, crcs) from a CHUNK_META_KEY value for an object of `size` bytes;
+    None if it is malformed in any way (it then protects nothing, and the object is
+    verified as a whole, like one written by another tool)."""
+    if not isinstance(value, str) or not isinstance(size, int) or size < 0:
+        return None
+    m = _CHUNK_META_RE.fullmatch(value)
+    if m is None:
+        return None
+    chunk = int(m.group(1))
+    hexes = m.group(2)
+    if len(hexes) // 8 != -(-size // chunk):
+        return None
+    return chunk, [int(hexes[i:i + 8], 16) for i in range(0, len(hexes), 8)]
