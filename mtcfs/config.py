@@ -15,25 +15,11 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from mtcfs import sizes
 from mtcfs.mountinfo import entry_at
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+from mtcfs.peer import addresses
+from mtcfs.peer.addresses import AddressError
+from mtcfs.sizes import SizeError, format_size
 
 FSYNC_LEVELS = ("local", "replicas", "gcs")
 VISIBILITY_MODES = ("fsync", "close")
@@ -57,28 +43,10 @@ class ConfigError(ValueError):
 
 
 def parse_size(text: str | int) -> int:
-    """Parse `512MiB`, `8GiB`, `1.5G`, `4096` into bytes (K/M/G/T alone are binary)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE_RE.match(str(text))
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise ConfigError(
-                f"invalid size {text!r}: use a number of bytes or a unit such as 512MiB, 8GiB"
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ConfigError(f"invalid size {text!r}: must be greater than zero")
-    return value
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    try:
+        return sizes.parse_size(text)
+    except SizeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def default_ram_dir(mountpoint: str) -> str:
@@ -358,31 +326,17 @@ def _validate_lifecycle(opts: MountOptions) -> None:
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
-    """`host:port` or `[v6]:port` -> (host, port)."""
-    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([A-Za-z0-9.-]+):(\d+)", text.strip())
-    if not m:
-        raise ConfigError(f"invalid {what} {text!r}: use HOST:PORT")
-    host = m.group(1) or m.group(3)
-    port = int(m.group(2) or m.group(4))
-    if not 0 < port < 65536:
-        raise ConfigError(f"invalid {what} {text!r}: port must be 1-65535")
-    return host, port
+    try:
+        return addresses.parse_address(text, what)
+    except AddressError as e:
+        raise ConfigError(str(e)) from None
 
 
 def read_peers_file(path: str) -> list[str]:
-    """One address per line; blank lines and '#' comments are ignored."""
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"peers file {path}: {e.strerror}") from None
-    out = []
-    for line in lines:
-        line = line.split("#", 1)[0].strip()
-        if line:
-            parse_address(line, f"peer address in {path}")
-            out.append(line)
-    return out
+        return addresses.read_peers_file(path)
+    except AddressError as e:
+        raise ConfigError(str(e)) from None
 
 
 def read_token(path: str) -> bytes:

@@ -17,8 +17,8 @@ import pyfuse3
 import trio
 
 from mtcfs import control
-from mtcfs.config import MountOptions, format_size, is_dead_mount, mount_entry
-from mtcfs.controlops import ControlHandler
+from mtcfs.config import MountOptions, is_dead_mount, mount_entry
+from mtcfs.control.handlers import ControlHandler
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
 from mtcfs.fs.kernel import KernelCache
@@ -26,6 +26,7 @@ from mtcfs.fs.namespace import Inode, Namespace
 from mtcfs.fs.passthrough import Passthrough
 from mtcfs.meta.store import MetaStore
 from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
+from mtcfs.sizes import format_size
 from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger("mtcfs")

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from mtcfs.config import format_size
+from mtcfs.sizes import format_size
 
 # Wide enough for the tables when the output is not a terminal (make demo | tee).
 console = Console(width=max(110, shutil.get_terminal_size((110, 40)).columns))

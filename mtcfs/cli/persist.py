@@ -8,7 +8,7 @@ import click
 
 from mtcfs.cli.common import daemon_request, fail
 from mtcfs.cli.progress import poll_with_progress
-from mtcfs.config import format_size
+from mtcfs.sizes import format_size
 
 
 def mount_relative(mountpoint: str, path: str) -> str:

@@ -9,7 +9,7 @@ import click
 from mtcfs.cli.common import daemon_request, fail
 from mtcfs.cli.persist import mount_relative
 from mtcfs.cli.progress import poll_with_progress
-from mtcfs.config import format_size
+from mtcfs.sizes import format_size
 
 
 @click.command("prefetch")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mtcfs.cli.common import daemon_request
-from mtcfs.config import format_size
+from mtcfs.sizes import format_size
 
 
 @click.command("status")

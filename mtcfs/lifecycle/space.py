@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from mtcfs.config import format_size
 from mtcfs.lifecycle.copies import CACHE, OWN, REPLICA, Copies
 from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
+from mtcfs.sizes import format_size
 
 if TYPE_CHECKING:
     from mtcfs.fs.filesystem import Filesystem

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import grpc
 import trio
 
-from mtcfs.config import read_peers_file
 from mtcfs.peer import security
+from mtcfs.peer.addresses import AddressError, read_peers_file
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 
@@ -90,7 +90,7 @@ class Membership:
         if self.peers_file:
             try:
                 out += read_peers_file(self.peers_file)
-            except ValueError as e:
+            except AddressError as e:
                 log.error("%s", e)
                 out += [p.addr for p in self.peers.values() if p.addr not in out]
         return [a for a in dict.fromkeys(out) if a != self.me]

@@ -1,4 +1,5 @@
-"""The local control channel between the CLI and a running daemon.
+"""The control channel between the CLI and a running daemon (this module), and the
+requests the daemon answers on it (`handlers`).
 
 A unix socket in the RAM dir (mode 0600 dir, so only root/the owner reaches
 it). One JSON request per connection, one JSON reply:
