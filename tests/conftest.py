@@ -61,6 +61,13 @@ def data_files(ram_dir: Path) -> list[Path]:
     return [p for p in (ram_dir / "data").iterdir() if not p.name.startswith(".")]
 
 
+def wipe_ram_dir(ram_dir: Path) -> None:
+    """Lose a host's RAM dir (its daemon stopped): with passthrough its data/ is a tmpfs
+    of its own, which goes too."""
+    unmount_under(ram_dir)
+    shutil.rmtree(ram_dir)
+
+
 def unmount_under(root: Path) -> None:
     """Detach every mount below `root` (a RAM tier's own tmpfs, a leaked FUSE mount)."""
     from mtcfs.mountinfo import mountinfo
@@ -119,9 +126,15 @@ class MtcfsMount:
         except FileNotFoundError:
             return ""
 
-    def status(self) -> dict:
-        r = mtcfs("status", str(self.path), "--json", check=True)
-        return json.loads(r.stdout)
+    def status(self, settle: bool = True) -> dict:
+        """`mtcfs status --json`. settle: once no file is `sealing` any more (with
+        passthrough a closed file is checksummed a moment after close())."""
+        deadline = time.monotonic() + 10
+        while True:
+            st = json.loads(mtcfs("status", str(self.path), "--json", check=True).stdout)
+            if not settle or not st["states"].get("sealing") or time.monotonic() > deadline:
+                return st
+            time.sleep(0.01)
 
     def state(self, rel: str, settle: bool = True) -> dict:
         """user.mtcfs.state of a file. settle: past `sealing` (with passthrough a closed
@@ -196,6 +209,7 @@ def make_mount(tmp_path: Path, ram_root: Path, data_path: str) -> Iterator:
                 m.proc.kill()
                 m.proc.wait()
             force_unmount(str(m.path))
+            unmount_under(m.ram_dir)
 
 
 @pytest.fixture
@@ -273,12 +287,12 @@ class PeerCluster:
     """Hosts of one job on loopback. `hosts` maps a host name to its current daemon."""
 
     def __init__(self, root: Path, ram_root: Path, replicas: int,
-                 extra: tuple[str, ...]) -> None:
+                 extra: tuple[str, ...], data_path: str = "auto") -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self.ram_root = ram_root
         self.replicas = replicas
-        self.extra = extra
+        self.extra = (*extra, "--data-path", data_path) if "--data-path" not in extra else extra
         self.token_file = root / "peer-token"
         self.token_file.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
         self.token_file.chmod(0o600)
@@ -398,13 +412,15 @@ class PeerCluster:
                     m.proc.kill()
                     m.proc.wait()
                 force_unmount(str(m.path))
+                unmount_under(m.ram_dir)
 
         with _Pool(max(1, len(self.all))) as pool:
             list(pool.map(stop, self.all))
 
 
 @pytest.fixture
-def make_cluster(tmp_path: Path, ram_root: Path, request: pytest.FixtureRequest) -> Iterator:
+def make_cluster(tmp_path: Path, ram_root: Path, request: pytest.FixtureRequest,
+                 data_path: str) -> Iterator:
     """make_cluster(n=3, replicas=1, extra=(), start=True) -> PeerCluster with hosts a, b, c...
 
     Each host: `--listen 127.0.0.1:PORT --peers <all others> --token-file F --replicas K`
@@ -417,7 +433,8 @@ def make_cluster(tmp_path: Path, ram_root: Path, request: pytest.FixtureRequest)
 
     def make(n: int = 3, replicas: int = 1, extra: tuple[str, ...] = (),
              start: bool = True) -> PeerCluster:
-        c = PeerCluster(tmp_path / f"cluster{len(clusters)}", ram_root, replicas, extra)
+        c = PeerCluster(tmp_path / f"cluster{len(clusters)}", ram_root, replicas, extra,
+                        data_path)
         clusters.append(c)
         names = [chr(ord("a") + i) for i in range(n)]
         for name in names:

@@ -255,9 +255,11 @@ def test_kill9_during_writes(mnt):
         ready, _, _ = select.select([writer.stdout], [], [], 60)
         assert ready, "the writer did not start"
         assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
-        # fsync sealed each as a version; the writes that follow open it again.
+        # fsync sealed each as a version; the writes that follow open it again (with
+        # passthrough the daemon does not see them: wait until they are in the file).
         for name in ("new1.bin", "victim.bin"):
-            wait_until(lambda name=name: mnt.state(name)["state"] == "open", timeout=10)
+            wait_until(lambda name=name: mnt.state(name)["state"] == "open"
+                       and os.stat(mnt.path / name).st_size > 6 * MiB, timeout=10)
         reader = os.open(mnt.path / "done" / "a.bin", os.O_RDONLY)  # open, not written
         assert len(os.pread(reader, MiB, 0)) == MiB
         mnt.kill9()

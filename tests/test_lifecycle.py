@@ -26,6 +26,14 @@ from conftest import blob, crc_of, free_port, mtcfs, wait_until
 MiB = 1 << 20
 
 
+@pytest.fixture
+def data_path() -> str:
+    """These tests drive the RAM budget through the daemon's own write path (writers
+    that wait for room, exact accounting of what is written). With passthrough the
+    kernel enforces the budget instead: tests/test_passthrough.py."""
+    return "fuse"
+
+
 def metrics(m) -> dict[tuple[str, tuple], float]:
     """Samples of the mount's /metrics: {(name, sorted labels): value}."""
     url = m.status()["metrics_url"]

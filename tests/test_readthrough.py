@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -39,7 +38,7 @@ from mtcfs.tiers.durable import (
 )
 from mtcfs.tiers.durable.gcs import GcsTier
 
-from conftest import MtcfsMount, mtcfs
+from conftest import MtcfsMount, mtcfs, wipe_ram_dir
 from gcs_server import GcsServer, free_port
 from link_proxy import LinkProxy
 
@@ -127,7 +126,7 @@ def persisted(m: MtcfsMount, rels: list[str], old_gens: dict[str, int] | None = 
 def wipe_and_remount(m: MtcfsMount, extra: tuple[str, ...] | None = None) -> None:
     """All RAM gone: stop the daemon, delete its RAM dir, mount on an empty one."""
     m.stop()
-    shutil.rmtree(m.ram_dir)
+    wipe_ram_dir(m.ram_dir)
     assert not m.ram_dir.exists()
     if extra is not None:
         m.extra = extra
@@ -434,7 +433,7 @@ def test_corrupt_object_is_never_served(make_mount, corruptible: Durable) -> Non
     wait_for(lambda: persisted(m, ["ckpt/big.bin", "ckpt/small.bin"]), 60, "persist")
     gens = {rel: m.state(rel)["generation"] for rel in ("ckpt/big.bin", "ckpt/small.bin")}
     m.stop()
-    shutil.rmtree(m.ram_dir)
+    wipe_ram_dir(m.ram_dir)
     bad_at = CHUNK + 4 * MiB + 12345  # inside the second chunk
     flip_byte(d.object_file("ckpt/big.bin"), bad_at)
     flip_byte(d.object_file("ckpt/small.bin"), 1000)

@@ -84,7 +84,11 @@ def socket_for(mountpoint: str) -> str:
 
 
 def request(mountpoint: str, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
-    path = socket_for(mountpoint)
+    return request_socket(socket_for(mountpoint), op, timeout, **args)
+
+
+def request_socket(path: str, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+    """One request to the daemon listening at the control socket `path`."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         try:

@@ -479,7 +479,21 @@ class Filesystem:
         if node is not None and self.commits(node):
             # The commit of a step (a marker under its final name, or a step directory
             # renamed into place): every live peer has it when rename() returns.
+            await self._settle(node)
             await self._visible(node, "commit by rename of")
+
+    async def _settle(self, node: Inode) -> None:
+        """Seal now what is `sealing` at or below `node` (closed through passthrough,
+        its checksum not taken yet): a commit or a directory fsync covers it."""
+        if node.is_dir:
+            files = [self.ns.inodes[i] for i in (node.children or {}).values()]
+            files += [f for d in dirs_under(self.ns, node) for f in
+                      (self.ns.inodes[i] for i in (d.children or {}).values())]
+        else:
+            files = [node]
+        for f in files:
+            if f.is_file and f.state == SEALING and not f.writers:
+                await self.seal(f)
 
     def commits(self, node: Inode) -> bool:
         """Whether `node` under its current name completes a step: a commit marker in a
@@ -499,6 +513,10 @@ class Filesystem:
     async def fsyncdir(self, node: Inode) -> None:
         """Every entry of the directory (and all this host published before) is
         applied on every live peer when the call returns."""
+        for ino in list((node.children or {}).values()):
+            child = self.ns.inodes.get(ino)
+            if child is not None and not child.is_dir:
+                await self._settle(child)
         await self._visible(node, "fsync of directory")
 
     def _rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
@@ -658,14 +676,17 @@ class Filesystem:
             node.writers += 1
         h.backing = self.passthrough.open(node.ino, fd, self._passthrough_allowed(node, writable))
         if h.backing and writable:
-            # Its writes will not pass the daemon: the file counts as changed from now on
-            # (a crash leaves it incomplete, unless its data turns out unchanged), and is
-            # checksummed from its RAM file when the last writer is gone.
+            # Its writes will not pass the daemon. Its sealed version stays what others
+            # read, replicate and upload (every copy is checked against its checksum, so
+            # changed bytes are refused, never passed on); it is recorded as open (a
+            # crash leaves it incomplete unless its data is still that version), and it
+            # is checksummed from its RAM file when the last writer is gone.
             node.pt_writers += 1
             node.pt_changed = True
-            self._mark_dirty(node)
             self._crc[node.ino] = StreamingCrc(valid=False)
             node.wseq += 1
+            with self.ns.store.transaction():
+                self.ns.persist(node)
         return fh
 
     def _passthrough_allowed(self, node: Inode, writable: bool) -> bool:
@@ -815,7 +836,13 @@ class Filesystem:
             return
         visible = (node.fsynced or h.sync or self.visibility_mode == "close"
                    or self.commits(node))
-        if node.writers <= 1 and node.dirty:
+        # With passthrough the daemon does not see writes: a file a passthrough writer
+        # had open counts as written (its checksum tells whether it changed).
+        if h.backing and self.lifecycle is not None:
+            # A passthrough writer that ran into the limit got ENOSPC from the kernel, not
+            # from us: its close is where the daemon can notice.
+            self.lifecycle.space.check_full()
+        if node.writers <= 1 and (node.dirty or (h.backing and node.pt_changed)):
             if h.backing and not visible:
                 self.refresh(node)
                 if node.state != SEALING:

@@ -128,7 +128,20 @@ def unavailable() -> str | None:
         return f"Linux {release} has no FUSE passthrough (needs 6.9 or newer)"
     if not _has_cap(CAP_SYS_ADMIN):
         return "FUSE passthrough needs CAP_SYS_ADMIN (run the daemon privileged)"
+    if not _initial_user_namespace():
+        # The kernel checks CAP_SYS_ADMIN in the initial user namespace.
+        return ("FUSE passthrough needs CAP_SYS_ADMIN in the initial user namespace (this "
+                "daemon runs in a user namespace of its own)")
     return None
+
+
+def _initial_user_namespace() -> bool:
+    """The initial user namespace maps every uid onto itself."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return True
 
 
 def _has_cap(bit: int) -> bool:

@@ -96,6 +96,7 @@ class SpaceManager:
         self.full_timeout = full_timeout
         self.stats = Stats()
         self.waiting = 0  # writers waiting for space now
+        self._full = False  # passthrough: the tier is full now (said once per episode)
         self._lot = trio.lowlevel.ParkingLot()
         # path -> when its wait / ENOSPC was last logged: one line per file, not
         # one per concurrent request of the same write.
@@ -247,21 +248,25 @@ class SpaceManager:
         writers rarely meet a full tier; say so when it fills up anyway (those writers
         get ENOSPC from the kernel, at once)."""
         ram = self.fs.ram
-        full = False
         while True:
             await trio.sleep(KEEP_ROOM_EVERY)
             if ram.free < 2 * headroom:
                 self.make_room_now(2 * headroom)
-            if ram.free < FULL_BELOW:
-                if not full:
-                    full = True
-                    self.stats.full_passthrough += 1
-                    why = self.why_full(FULL_BELOW, 0.0)
-                    self.stats.last_full, self.stats.last_full_time = why, time.time()
-                    log.error("the RAM tier is full: writers through passthrough get ENOSPC "
-                              "from the kernel until room is made: %s", why)
-            else:
-                full = False
+            self.check_full()
+
+    def check_full(self) -> None:
+        """With passthrough: say so (once per episode) when the tier is full."""
+        if self.fs.ram.free >= FULL_BELOW:
+            self._full = False
+            return
+        if self._full:
+            return
+        self._full = True
+        self.stats.full_passthrough += 1
+        why = self.why_full(FULL_BELOW, 0.0)
+        self.stats.last_full, self.stats.last_full_time = why, time.time()
+        log.error("the RAM tier is full: writers through passthrough get ENOSPC from the "
+                  "kernel until room is made: %s", why)
 
     def why_full(self, need: int, waited: float) -> str:
         """One line saying what holds the RAM tier and why none of it may go."""

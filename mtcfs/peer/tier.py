@@ -29,7 +29,7 @@ import grpc
 import trio
 
 from mtcfs.checksums import BlockVerifier, IntegrityError
-from mtcfs.fs.namespace import CLOSED, Inode, Namespace
+from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.peer import mover, placement
 from mtcfs.peer.dissemination import Broadcaster, SendFailed
 from mtcfs.peer.index import Hooks, ReplicatedIndex
@@ -500,13 +500,14 @@ class PeerTier(Hooks):
         # A file fsynced here and written again since is served at its fsynced version
         # (until it is sealed again): the reader verifies every block, so bytes that
         # changed meanwhile are refused there, never served as that version.
-        rewritten = node.dirty and node.version > 0 and node.writer == self.node_id
+        rewritten = ((node.dirty or node.state == SEALING) and node.version > 0
+                     and node.writer == self.node_id)
         if not node.has_data or not (node.state == CLOSED and not node.dirty or rewritten):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no complete copy here")
         if version and node.version != version:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"version {node.version} here, {version} asked for")
-        size = node.sealed_size if node.dirty else node.size
+        size = node.sealed_size if rewritten else node.size
         return os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC), size
 
     def held(self) -> list[pb.HeldFile]:
