@@ -10,24 +10,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pyfuse3
 import trio
 
 from mtcfs import control
+from mtcfs.assembly import AssemblyError, Mount, build, open_ram
 from mtcfs.config import MountOptions, is_dead_mount, mount_entry
 from mtcfs.control.handlers import ControlHandler
-from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
 from mtcfs.fs.kernel import KernelCache
-from mtcfs.fs.namespace import Inode, Namespace
 from mtcfs.fs.passthrough import Passthrough
 from mtcfs.meta.store import MetaStore
-from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
 from mtcfs.sizes import format_size
-from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger("mtcfs")
 
@@ -110,11 +106,12 @@ def _notify(ready_fd: int | None, msg: str) -> None:
         pass
 
 
-def _fail_early(msg: str, ready_fd: int | None, store: MetaStore) -> int:
+def _fail_early(msg: str, ready_fd: int | None, store: MetaStore | None) -> int:
     """Mounting failed: say why (log, and the waiting `mount --daemon`)."""
     log.error("%s", msg)
     _notify(ready_fd, msg)
-    store.close()
+    if store is not None:
+        store.close()
     return 1
 
 
@@ -157,202 +154,77 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         return 1
     if cleanup_dead_mount(opts.mountpoint):
         log.warning("cleaned up a dead mount left at %s by a previous daemon", opts.mountpoint)
+    store = ram = None
     try:
         store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
-        ns = Namespace(store)
         want_passthrough = _want_passthrough(opts)
         try:
-            ram = RamTier(opts.ram_dir, opts.ram_size, own_tmpfs=want_passthrough)
+            ram = open_ram(opts, own_tmpfs=want_passthrough)
         except OSError as e:
             if opts.data_path == "passthrough":
                 raise
             log.warning("data path: fuse (the RAM tier's own tmpfs could not be mounted: %s)",
                         e.strerror or e)
             want_passthrough = False
-            ram = RamTier(opts.ram_dir, opts.ram_size)
-        fs = Filesystem(ns, ram, opts.node_id, opts.control_socket, step_rules(opts),
-                        opts.visibility)
+            ram = open_ram(opts, own_tmpfs=False)
         kernel = KernelCache(
             lambda parent, name: pyfuse3.invalidate_entry(parent, name),
             lambda ino: pyfuse3.invalidate_inode(ino, attr_only=True))
-        fs.kernel = kernel
-        fs.invalidate_entry = lambda parent, name: kernel.entry(parent.ino, name)
+        passthrough = (Passthrough(pyfuse3.backing_open, pyfuse3.backing_close)
+                       if want_passthrough else Passthrough.unused())
+        mount = build(opts, store, ram, kernel, passthrough)
     except Exception as e:
-        log.exception("cannot open the RAM dir")
-        _notify(ready_fd, f"cannot open RAM dir {opts.ram_dir}: {e}")
-        return 1
-    if opts.bucket:
-        from mtcfs.tiers.durable import DurableError
-
-        try:
-            _attach_durable(opts, fs)
-        except DurableError as e:
-            return _fail_early(f"durable tier {opts.bucket}: {e}", ready_fd, store)
-    if opts.listen:
-        try:
-            _attach_peers(opts, fs)
-        except (OSError, ValueError) as e:
-            return _fail_early(f"peer tier: {e}", ready_fd, store)
-    _attach_lifecycle(opts, fs)
+        if isinstance(e, AssemblyError):
+            msg = str(e)
+        else:
+            log.exception("cannot open the RAM dir")
+            msg = f"cannot open RAM dir {opts.ram_dir}: {e}"
+        if ram is not None:
+            ram.close()
+        os.close(lock_fd)
+        return _fail_early(msg, ready_fd, store)
     metrics = None
     if opts.metrics_port is not None:
         from mtcfs.metrics import Metrics
 
-        metrics = Metrics(fs)
+        metrics = Metrics(mount.status, opts.node_id)
         try:
             port = metrics.serve(opts.metrics_address, opts.metrics_port)
         except OSError as e:
+            mount.stop()
+            mount.close()
+            os.close(lock_fd)
             return _fail_early(f"metrics server on {opts.metrics_address}:{opts.metrics_port}: "
-                               f"{e.strerror}", ready_fd, store)
-        assert fs.lifecycle is not None
-        fs.lifecycle.on_replication_lag = metrics.replication_lag.observe
-        fs.lifecycle.on_persist_lag = metrics.persist_lag.observe
-        fs.lifecycle.durability.on_waited = (
-            lambda level, s: metrics.fsync_seconds.labels(level).observe(s))
-        if fs.peers is not None:
-            fs.peers.broadcaster.on_waited = metrics.commit_seconds.observe
-        fs.metrics_url = f"http://{opts.metrics_address}:{port}/metrics"
-        log.info("metrics on %s (health: /healthz)", fs.metrics_url)
-    ops = FuseOperations(fs, passthrough=want_passthrough)
-    fs.passthrough = Passthrough(pyfuse3.backing_open, pyfuse3.backing_close) \
-        if want_passthrough else fs.passthrough
+                               f"{e.strerror}", ready_fd, None)
+        metrics.observe(mount)
+        mount.metrics_url = f"http://{opts.metrics_address}:{port}/metrics"
+        log.info("metrics on %s (health: /healthz)", mount.metrics_url)
+    ops = FuseOperations(mount.fs, passthrough=want_passthrough)
     try:
         pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
                                                          opts.fuse_options))
     except Exception as e:
-        return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, store)
+        mount.stop()
+        mount.close()
+        os.close(lock_fd)
+        if metrics is not None:
+            metrics.close()
+        return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, None)
     code = 0
     try:
-        code = trio.run(_main, opts, fs, ready_fd, metrics, ops.enable_passthrough)
+        code = trio.run(_main, mount, ready_fd, metrics, ops.enable_passthrough)
     except Exception:
         log.exception("daemon failed")
         code = 1
     finally:
-        if fs.peers is not None:
-            fs.peers.stop()
-        fs.kernel.stop()
+        mount.stop()
         if metrics is not None:
             metrics.close()
         pyfuse3.close(unmount=True)
-        ram.close()
-        store.close()
+        mount.close()  # after the unmount: the RAM tier's own tmpfs goes last
         os.close(lock_fd)
     log.info("unmounted %s", opts.mountpoint)
     return code
-
-
-def _attach_durable(opts: MountOptions, fs: Filesystem) -> None:
-    """Open and check the durable tier, merge its tree into the namespace
-    (before the kernel sees anything), and hook up uploads and read-through."""
-    # Imported here: google-cloud-storage is slow to import and unused without --bucket.
-    from mtcfs.persist.policy import PersistPolicy
-    from mtcfs.persist.uploader import Uploader
-    from mtcfs.readthrough import ReadThrough
-    from mtcfs.tiers.durable import open_durable
-
-    tier = open_durable(opts.bucket or "", opts.gcs_endpoint)
-    tier.check()
-    uploader = Uploader(fs.ns, fs.ram.path, tier, PersistPolicy.parse(opts.persist or "step"),
-                        fs.rules)
-    readthrough = ReadThrough(fs.ns, fs.ram, tier, refresh=opts.list_refresh)
-    t0 = time.monotonic()
-    objects = readthrough.listing()
-    merged = readthrough.merge(objects, set(uploader.deletes), full=True)
-    log.info("durable tier %s: %d objects listed, %d files merged in %.2f s", tier.url,
-             len(objects), merged, time.monotonic() - t0)
-    fs.uploader, fs.readthrough = uploader, readthrough
-
-
-def _attach_peers(opts: MountOptions, fs: Filesystem) -> None:
-    """Set up the peer tier (it starts listening in _main, before the mount is live)."""
-    from mtcfs.config import read_token
-    from mtcfs.peer.tier import PeerTier
-    from mtcfs.readthrough import ReadThrough
-
-    secret = read_token(opts.token_file) if opts.token_file else None
-    tls = None
-    if opts.tls_cert and opts.tls_key:
-        def read(path: str) -> bytes:
-            with open(path, "rb") as f:
-                return f.read()
-
-        tls = (read(opts.tls_cert), read(opts.tls_key), read(opts.tls_ca) if opts.tls_ca else None)
-    peers = PeerTier(
-        fs.ns, fs.ram, opts.node_id, opts.listen or "",
-        [a.strip() for a in (opts.peers or "").split(",") if a.strip()], opts.peers_file,
-        opts.replicas if opts.replicas is not None else 1, secret, tls,
-        opts.failure_domain or "", opts.commit_timeout,
-    )
-
-    peers.invalidate_hook = lambda parent, name, node: fs.invalidate_entry(parent, name)
-    peers.removed_hook = fs.drop_if_unused
-    peers.attrs_hook = fs.kernel.attrs
-    peers.kernel_settle = fs.kernel.settle
-    peers.last_write = lambda: fs.last_write
-    fs.peers = peers
-    fs.visibility = peers
-    if fs.uploader is not None:
-        fs.uploader.node_id = opts.node_id
-        fs.uploader.on_persisted = peers.index.holders_changed
-        peers.on_remote = fs.uploader.on_remote
-        peers.on_moved = fs.uploader.on_remote_moved
-    if fs.readthrough is None:
-        fs.readthrough = ReadThrough(fs.ns, fs.ram, None, peers=peers)
-    else:
-        fs.readthrough.peers = peers
-    if fs.uploader is not None:
-        uploader, readthrough = fs.uploader, fs.readthrough
-
-        def fetch_for_upload(node: Inode) -> None:
-            async def fetch() -> None:
-                try:
-                    await readthrough.wait_complete(node)
-                except OSError as e:
-                    log.error("cannot persist %s: no copy could be fetched: %s",
-                              fs.ns.path_of(node) if node.linked else node.guid, e.strerror)
-                uploader.wake()
-
-            if node.ino not in readthrough.fetches:
-                readthrough.spawn(fetch)
-
-        uploader.fetch = fetch_for_upload
-
-
-def _attach_lifecycle(opts: MountOptions, fs: Filesystem) -> None:
-    """Eviction, retention and fsync levels, hooked to the tiers' events."""
-    from mtcfs.lifecycle import Lifecycle
-
-    lc = fs.lifecycle = Lifecycle(fs, opts, fs.rules)
-    if fs.uploader is not None:
-        announce = fs.uploader.on_persisted
-
-        def persisted(node: Inode) -> None:
-            announce(node)
-            lc.on_persisted(node)
-
-        fs.uploader.on_persisted = persisted
-    if fs.peers is not None:
-        peers = fs.peers
-        membership_changed = peers.members.on_change
-        remote_changed = peers.on_remote
-
-        def on_change(p: Any) -> None:
-            membership_changed(p)
-            lc.on_peers_changed()
-
-        def on_remote(nodes: list[Inode]) -> None:
-            remote_changed(nodes)
-            lc.on_peers_changed()
-
-        peers.members.on_change = on_change
-        peers.on_remote = on_remote
-        fs.peers.on_copies = lc.on_copies
-        fs.peers.urgent = lambda node: node.ino in lc.durability.waiting
-        fs.peers.make_room = lambda need: lc.space.make_room_now(need, persisted_only=True)
-        if lc.retention is not None:
-            fs.peers.retired = lc.retention.retired
-    if fs.readthrough is not None:
-        fs.readthrough.make_room = lc.space.make_room_now
 
 
 def _want_passthrough(opts: MountOptions) -> bool:
@@ -366,12 +238,12 @@ def _passthrough_unavailable() -> str | None:
     return unavailable()
 
 
-def _start_passthrough(fs: Filesystem) -> str | None:
+def _start_passthrough(mount: Mount) -> str | None:
     """After INIT: did the kernel agree, and does registering a backing file work?
     Returns why not (None: passthrough is on)."""
     if not pyfuse3.passthrough_enabled():
         return "the kernel did not agree to FUSE passthrough at INIT"
-    probe = os.path.join(fs.ram.data_dir, ".passthrough-probe")
+    probe = os.path.join(mount.ram.data_dir, ".passthrough-probe")
     fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         backing = pyfuse3.backing_open(fd)
@@ -381,27 +253,14 @@ def _start_passthrough(fs: Filesystem) -> str | None:
     finally:
         os.close(fd)
         os.unlink(probe)
-    fs.passthrough.enabled = True
-    fs.data_path = "passthrough"
+    mount.passthrough.enabled = True
     return None
 
 
-def step_rules(opts: MountOptions) -> StepRules:
-    """What commits a step (markers) and what is temporary (never uploaded)."""
-    return StepRules(
-        markers=_names(opts.commit_markers) or DEFAULT_MARKERS,
-        tmp_patterns=_names(opts.tmp_patterns) or DEFAULT_TMP_PATTERNS,
-    )
-
-
-def _names(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
-
-
-async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
-                metrics: Any = None, passthrough_asked: bool = False) -> int:
-    started = time.time()
-    on_control = ControlHandler(fs, opts, started, lambda: nursery.cancel_scope.cancel())
+async def _main(mount: Mount, ready_fd: int | None, metrics: Any = None,
+                passthrough_asked: bool = False) -> int:
+    opts = mount.opts
+    on_control = ControlHandler(mount, lambda: nursery.cancel_scope.cancel())
 
     async def watch_signals() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -418,35 +277,26 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
-        if fs.peers is not None:
-            # Before the mount is live: a new host sees the whole tree at once.
-            try:
-                await fs.peers.start(nursery)
-            except (OSError, RuntimeError) as e:
-                log.error("peer tier: %s", e)
-                _notify(ready_fd, f"peer tier: {e}")
-                nursery.cancel_scope.cancel()
-                return 1
+        # Before the mount is live: a new host sees the whole tree at once.
+        try:
+            await mount.start_peers(nursery)
+        except (OSError, RuntimeError) as e:
+            log.error("peer tier: %s", e)
+            _notify(ready_fd, f"peer tier: {e}")
+            nursery.cancel_scope.cancel()
+            return 1
         # Listen before serving FUSE: the socket path is published through an xattr
         # of the mount, and a client that reads it must find a listener.
         await nursery.start(control.serve, opts.control_socket, on_control)
         nursery.start_soon(serve_fuse)
         nursery.start_soon(watch_signals)
-        nursery.start_soon(fs.ram.empty_trash)
-        if fs.lifecycle is not None:
-            await fs.lifecycle.run(nursery)
+        mount.run_background(nursery)
         if metrics is not None:
             nursery.start_soon(metrics.refresh_loop)
-        if fs.readthrough is not None:
-            nursery.start_soon(fs.readthrough.run)
-        if fs.uploader is not None and fs.readthrough is not None:
-            nursery.start_soon(fs.uploader.run)
-            nursery.start_soon(fs.readthrough.refresh_loop, fs.uploader.deletes)
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
-        fs.live = True
-        fs.kernel.start()
-        why = _start_passthrough(fs) if passthrough_asked else (
+        mount.kernel.start()
+        why = _start_passthrough(mount) if passthrough_asked else (
             "the daemon was told --data-path fuse" if opts.data_path == "fuse"
             else _passthrough_unavailable())
         if why is not None and opts.data_path == "passthrough":
@@ -462,7 +312,7 @@ async def _main(opts: MountOptions, fs: Filesystem, ready_fd: int | None,
         log.info(
             "mounted %s: node %s, RAM dir %s, RAM size %s, %d files re-adopted",
             opts.mountpoint, opts.node_id, opts.ram_dir, format_size(opts.ram_size),
-            len(fs.ns.files()),
+            len(mount.ns.files()),
         )
         with open(os.path.join(opts.ram_dir, "daemon.json"), "w") as f:
             json.dump({"pid": os.getpid(), "mountpoint": opts.mountpoint}, f)

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from mtcfs import __version__
 
 if TYPE_CHECKING:
-    from mtcfs.fs.filesystem import Filesystem
+    from mtcfs.assembly import Mount
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +36,12 @@ COMMIT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5
 LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 
-def snapshot(fs: Filesystem) -> dict[str, Any]:
-    """Everything the metrics show, read on the trio thread."""
-    st = fs.status()
-    if fs.uploader is not None:
-        st["durable"] = fs.uploader.status()
-    if fs.readthrough is not None:
-        st["readthrough"] = fs.readthrough.status()
-    if fs.peers is not None:
-        st["peers"] = fs.peers.status()
-        st["visibility"] = fs.peers.broadcaster.status()
-    return st
-
-
 class Metrics(Collector):
-    def __init__(self, fs: Filesystem) -> None:
-        self.fs = fs
+    """`status`: the mount's status (read on the trio thread, see refresh_loop)."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]], node_id: str) -> None:
+        self.status = status
+        self.node_id = node_id
         self.registry = CollectorRegistry(auto_describe=False)
         self.replication_lag = Histogram(
             "mtcfs_replication_lag_seconds",
@@ -74,12 +64,21 @@ class Metrics(Collector):
         self.server: WSGIServer | None = None
         self.port = 0
 
+    def observe(self, mount: Mount) -> None:
+        """Observe the lags and waits as they happen."""
+        mount.lags.replication_observers.append(self.replication_lag.observe)
+        mount.lags.persist_observers.append(self.persist_lag.observe)
+        mount.durability.observers.append(
+            lambda level, s: self.fsync_seconds.labels(level).observe(s))
+        if mount.peers is not None:
+            mount.peers.broadcaster.observers.append(self.commit_seconds.observe)
+
     # -- the trio side -----------------------------------------------------------------
 
     async def refresh_loop(self) -> None:
         while True:
             try:
-                self.snap = snapshot(self.fs)
+                self.snap = self.status()
                 self.taken = time.monotonic()
             except Exception:  # a broken metric must not take the mount down
                 log.exception("metrics snapshot failed")
@@ -104,7 +103,7 @@ class Metrics(Collector):
             if path == "/healthz":
                 ok, why = self.healthy()
                 body = json.dumps({"ok": ok, "status": why,
-                                   "node_id": self.fs.node_id}).encode() + b"\n"
+                                   "node_id": self.node_id}).encode() + b"\n"
                 start_response("200 OK" if ok else "503 Service Unavailable",
                                [("Content-Type", "application/json"),
                                 ("Content-Length", str(len(body)))])
@@ -151,7 +150,7 @@ class Metrics(Collector):
                                    "Bytes read by applications (ram) and fetched into RAM from "
                                    "other tiers (peers, gcs/file)", labels=["tier"])
         read.add_metric(["ram"], s["bytes_read"])
-        rt = s.get("readthrough")
+        rt = s.get("fetch")
         d = s.get("durable")
         p = s.get("peers")
         durable_tier = ("gcs" if d["url"].startswith("gs:") else "file") if d else "durable"

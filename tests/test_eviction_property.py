@@ -88,19 +88,16 @@ class Cluster(RuleBasedStateMachine):
                 self.inbox[h].append(copy.deepcopy(msg))
 
     def apply(self, host: str, m: Msg) -> None:
-        """The index's merge: a newer version replaces; the same version merges
-        holders as a set (minus dropped ones) and takes the persisted flag."""
+        """The index's merge (Copies.take_version / Copies.merge, as
+        mtcfs.peer.index calls them): a newer version replaces; the same version
+        merges holders as a set (minus dropped ones) and takes the persisted state."""
         v = self.views[host][m.file]
         if m.version > v.version:
+            assert self.data[host].get(m.file) != m.version  # a replica brings its entry
             v.version, v.writer = m.version, m.writer
-            v.holders = list(m.holders)
-            v.persisted_version = m.persisted_version
-            v.has_data = self.data[host].get(m.file) == m.version
-            v.cached = False
+            self.copies(host).take_version(v, m.holders, m.persisted_version, 0, fresh=True)
         elif m.version == v.version:
-            v.holders += [h for h in m.holders if h not in v.holders]
-            v.holders = [h for h in v.holders if h not in m.dropped or h == host]
-            v.persisted_version = max(v.persisted_version, m.persisted_version)
+            self.copies(host).merge(v, m.holders, m.dropped, m.persisted_version, 0)
 
     # -- operations ----------------------------------------------------------------------
 
@@ -111,8 +108,8 @@ class Cluster(RuleBasedStateMachine):
         self.version[f] += 1
         self.data[host][f] = self.version[f]
         v = self.views[host][f]
-        v.version, v.writer, v.holders = self.version[f], host, [host]
-        v.has_data, v.cached = True, False
+        v.version = self.version[f]
+        self.copies(host).sealed_here(v)
         self.broadcast(host, f)
 
     @rule(f=st.sampled_from(FILES), to=st.sampled_from(HOSTS))
@@ -128,11 +125,13 @@ class Cluster(RuleBasedStateMachine):
         self.data[target][f] = self.version[f]
         tv = self.views[target][f]
         wv = self.views[writer][f]
-        tv.version, tv.writer, tv.holders = wv.version, writer, list(wv.holders)
-        tv.persisted_version = wv.persisted_version
-        tv.holders += [target] if target not in tv.holders else []
-        tv.has_data, tv.cached = True, False
-        wv.holders += [target] if target not in wv.holders else []
+        # The replica carries the writer's entry; the receiver stores and verifies it,
+        # the writer counts it.
+        tv.version, tv.writer = wv.version, writer
+        self.copies(target).take_version(tv, wv.holders, wv.persisted_version, 0,
+                                         fresh=True)
+        self.copies(target).received(tv)
+        self.copies(writer).replica_made(wv, target)
         self.broadcast(writer, f)
 
     @rule(host=st.sampled_from(HOSTS), f=st.sampled_from(FILES))
@@ -144,9 +143,7 @@ class Cluster(RuleBasedStateMachine):
         if not self.is_available(f):
             return
         self.data[host][f] = v.version
-        v.has_data, v.cached = True, True
-        if host not in v.holders:
-            v.holders.append(host)
+        self.copies(host).fetched(v)
 
     @rule(f=st.sampled_from(FILES))
     def upload(self, f: str) -> None:
@@ -156,7 +153,7 @@ class Cluster(RuleBasedStateMachine):
             return
         w = writers[0]
         self.bucket[f] = self.version[f]
-        self.views[w][f].persisted_version = self.version[f]
+        self.copies(w).persisted(self.views[w][f], 1, self.version[f])
         self.broadcast(w, f)
 
     @rule(host=st.sampled_from(HOSTS), f=st.sampled_from(FILES))
@@ -172,10 +169,9 @@ class Cluster(RuleBasedStateMachine):
         had = self.is_available(f)
         kind = self.copies(host).kind(v)
         del self.data[host][f]
-        v.has_data, v.cached = False, False
         announced = host in v.holders
+        self.copies(host).evicted(v)
         if announced:
-            v.holders.remove(host)
             self.broadcast(host, f, dropped=(host,))
         assert not had or self.is_available(f), f"evicting {f} on {host} lost its last copy"
         if kind == OWN and v.version == self.version[f] and self.bucket[f] != self.version[f]:

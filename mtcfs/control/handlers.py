@@ -6,27 +6,23 @@ here and their progress is polled by the CLI, which draws the progress bar.
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtcfs import __version__
-from mtcfs.config import MountOptions
-from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode
 from mtcfs.lifecycle.space import step_view
 from mtcfs.persist.steps import all_steps, files_under, step_number
+
+if TYPE_CHECKING:
+    from mtcfs.assembly import Mount
 
 Reply = dict[str, Any]
 
 
 class ControlHandler:
-    def __init__(self, fs: Filesystem, opts: MountOptions, started: float,
-                 shutdown: Callable[[], None]) -> None:
-        self.fs = fs
-        self.opts = opts
-        self.started = started
+    def __init__(self, mount: Mount, shutdown: Callable[[], None]) -> None:
+        self.mount = mount
+        self.ns = mount.ns
         self.shutdown = shutdown
 
     async def __call__(self, req: dict[str, Any]) -> Reply:
@@ -37,45 +33,7 @@ class ControlHandler:
         return handler(req)
 
     def op_status(self, req: dict[str, Any]) -> Reply:
-        st = self.fs.status()
-        st.update(
-            mountpoint=self.opts.mountpoint,
-            pid=os.getpid(),
-            version=__version__,
-            uptime=round(time.time() - self.started, 1),
-            health="ok",
-            node=self.fs.node_id,
-            data_path=self.fs.data_path,
-            passthrough=self.fs.passthrough.status(),
-        )
-        up, rt = self.fs.uploader, self.fs.readthrough
-        if up is not None and rt is not None:
-            st["durable"] = {**up.status(), "readthrough": rt.status()}
-            # Failing now: backing off, or a tier call retrying through an outage.
-            recent = time.time() - up.stats.last_error_time < 30
-            if up.stats.last_error and not up.idle() and (up.status()["retrying_in"] or recent):
-                st["health"] = "degraded"
-        else:
-            st["durable"] = None
-        lc = st.get("lifecycle")
-        if lc and (lc["writers_waiting"] or (lc["last_full_age"] is not None
-                                              and lc["last_full_age"] < 60)):
-            st["health"] = "degraded"  # writers blocked on, or refused by, a full RAM tier
-        st["metrics_url"] = self.fs.metrics_url
-        peers = self.fs.peers
-        st["peers"] = peers.status() if peers is not None else None
-        st["visibility"] = {
-            "mode": self.fs.visibility_mode,
-            **(peers.broadcaster.status() if peers is not None else {
-                "commit_timeout": self.opts.commit_timeout, "waits": 0, "wait_seconds": 0.0,
-                "max_wait_seconds": 0.0, "timeouts": 0, "last_timeout": None,
-                "broadcast_queue": 0}),
-        }
-        if st["visibility"]["timeouts"] and peers is not None and not peers.broadcaster.quiet():
-            st["health"] = "degraded"  # commits returned before every peer had them
-        if peers is not None and rt is not None:
-            st["peers"]["bytes_fetched_by_source"] = rt.status()["bytes_by_source"]
-        return {"ok": True, "status": st}
+        return {"ok": True, "status": self.mount.status()}
 
     def op_shutdown(self, req: dict[str, Any]) -> Reply:
         self.shutdown()
@@ -85,7 +43,7 @@ class ControlHandler:
 
     def _resolve(self, paths: list[str]) -> list[Inode]:
         """Files named by mount-relative paths (directories: every file below)."""
-        ns = self.fs.ns
+        ns = self.ns
         out: list[Inode] = []
         for p in paths or [""]:
             node = ns.inodes[ROOT]
@@ -99,7 +57,7 @@ class ControlHandler:
         return out
 
     def op_persist(self, req: dict[str, Any]) -> Reply:
-        up = self.fs.uploader
+        up = self.mount.uploader
         if up is None:
             return {"ok": False, "error": "this mount has no durable tier (mount with --bucket)"}
         try:
@@ -113,13 +71,13 @@ class ControlHandler:
                 "files": len(files), "bytes": sum(n.size for n in files)}
 
     def op_persist_progress(self, req: dict[str, Any]) -> Reply:
-        up = self.fs.uploader
+        up = self.mount.uploader
         if up is None:
             return {"ok": False, "error": "this mount has no durable tier"}
-        nodes = [n for ino in req.get("inos") or [] if (n := self.fs.ns.get(int(ino)))]
+        nodes = [n for ino in req.get("inos") or [] if (n := self.ns.get(int(ino)))]
         live = [n for n in nodes if n.linked]
         done = [n for n in live if n.persisted]
-        failed = {self.fs.ns.path_of(n): up.failed[n.ino] for n in live if n.ino in up.failed}
+        failed = {self.ns.path_of(n): up.failed[n.ino] for n in live if n.ino in up.failed}
         # A file that is neither done, queued, in flight nor failed was changed
         # again (its next seal queues it) or removed: it no longer counts.
         waiting = [n for n in live if not n.persisted and n.ino not in up.failed]
@@ -139,7 +97,8 @@ class ControlHandler:
     # -- prefetch -----------------------------------------------------------------
 
     def op_prefetch(self, req: dict[str, Any]) -> Reply:
-        rt = self.fs.readthrough
+        m = self.mount
+        rt = m.fetcher
         try:
             nodes = self._resolve([str(p) for p in req.get("paths") or []])
         except FileNotFoundError as e:
@@ -147,49 +106,48 @@ class ControlHandler:
         files = [n for n in nodes if n.state == CLOSED]
         missing = [n for n in files if not n.has_data]
         need = sum(n.size for n in missing)
-        free = self.fs.ram.capacity - self.fs.ram.used
-        if missing and rt is None:
+        free = m.ram.free
+        if missing and m.peers is None and m.uploader is None:
             return {"ok": False, "error": "this mount has no peers and no durable tier to "
                                           "fetch from"}
         if need > free:
             return {"ok": False, "error": f"the RAM tier cannot hold it: {need} bytes to fetch, "
                                           f"{free} free (--ram-size)"}
-        if missing and rt is not None:
+        if missing:
             rt.prefetch(missing, parallel=int(req.get("parallel") or 4))
         return {"ok": True, "inos": [n.ino for n in files], "files": len(files),
                 "bytes": sum(n.size for n in files), "to_fetch": len(missing),
                 "bytes_to_fetch": need}
 
     def op_prefetch_progress(self, req: dict[str, Any]) -> Reply:
-        rt = self.fs.readthrough
-        nodes = [n for ino in req.get("inos") or [] if (n := self.fs.ns.get(int(ino)))]
+        rt = self.mount.fetcher
+        nodes = [n for ino in req.get("inos") or [] if (n := self.ns.get(int(ino)))]
         live = [n for n in nodes if n.linked]
-        errors = rt.prefetch_errors if rt is not None else {}
-        failed = {self.fs.ns.path_of(n): errors[n.ino] for n in live if n.ino in errors}
+        errors = rt.prefetch_errors
+        failed = {self.ns.path_of(n): errors[n.ino] for n in live if n.ino in errors}
         done = [n for n in live if n.has_data]
         return {
             "ok": True,
             "files_total": len(live),
             "files_done": len(done),
             "bytes_total": sum(n.size for n in live),
-            "bytes_done": sum(rt.fetched_bytes(n) if rt is not None else 0 for n in live),
+            "bytes_done": sum(rt.fetched_bytes(n) for n in live),
             "failed": failed,
-            "sources": dict(rt.sources) if rt is not None else {},
+            "sources": dict(rt.sources),
             "finished": all(n.has_data or n.ino in errors for n in live),
         }
 
     # -- steps --------------------------------------------------------------------
 
     def op_steps(self, req: dict[str, Any]) -> Reply:
-        fs = self.fs
-        ns = fs.ns
-        up = fs.uploader
-        rules = fs.rules
-        lc = fs.lifecycle
-        k = lc.copies.replicas if lc is not None else 0
-        kept = set()
-        if lc is not None and lc.retention is not None:
-            kept = step_view(fs, rules, lc.retention.keep).kept
+        m = self.mount
+        ns = m.ns
+        up = m.uploader
+        rules = m.fs.rules
+        copies = m.copies
+        k = copies.replicas
+        retention, wd = m.retention, m.withdrawal
+        kept = step_view(ns, rules, retention.keep).kept if retention is not None else set()
 
         steps = []
         newest_safe = None
@@ -201,24 +159,22 @@ class ControlHandler:
                 "path": ns.path_of(f),
                 "size": f.size,
                 "state": f.state,
-                "replicas": lc.copies.replicas_of(f) if lc is not None and f.state == CLOSED
-                else 0,
+                "replicas": copies.replicas_of(f) if f.state == CLOSED else 0,
                 "holders": list(f.holders),
                 "persisted": f.persisted,
                 "in_ram": f.has_data,
             } for f in files]
             replicas = [e["replicas"] for e in per_file]
-            # Safe: every file persisted, or in K peer copies (DESIGN.md, lifecycle).
+            # Safe: every file persisted, or in K peer copies.
             safe = complete and bool(per_file) and all(
                 e["persisted"] or (k and e["replicas"] >= k) for e in per_file)
-            wd = lc.withdrawal if lc is not None else None
             withdrawn = wd is not None and wd.is_withdrawn(d)
             entry = {
                 "path": ns.path_of(d),
                 "step": step_number(d.name),
                 "complete": complete,
                 "withdrawn": withdrawn,
-                "lost_files": [ns.path_of(f) for f in files if wd is not None and wd.lost(f)],
+                "lost_files": [ns.path_of(f) for f in files if copies.lost(f)] if wd else [],
                 "temporary": rules.is_temporary(ns, d),
                 "files": len(files),
                 "bytes": sum(f.size for f in files),
@@ -230,7 +186,7 @@ class ControlHandler:
                 "replicas_min": min(replicas, default=0),
                 "replicas_max": max(replicas, default=0),
                 "safe": safe,
-                "kept": d.ino in kept if lc is not None and lc.retention is not None else None,
+                "kept": d.ino in kept if retention is not None else None,
                 "mtime": d.mtime_ns / 1e9,
                 "file_list": per_file,
             }
@@ -243,5 +199,5 @@ class ControlHandler:
         return {"ok": True, "steps": steps,
                 "newest_complete_safe": newest_safe[1] if newest_safe else None,
                 "replicas": k,
-                "keep_steps": lc.retention.keep if lc is not None and lc.retention else None,
+                "keep_steps": retention.keep if retention is not None else None,
                 "durable": up.tier.url if up is not None else None}

@@ -15,24 +15,25 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from mtcfs.checksums import StreamingCrc, block_crcs_of_fd, format_crc
+from mtcfs.events import Listener
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, SEALING, Inode, Namespace
 from mtcfs.fs.passthrough import Passthrough
+from mtcfs.fs.writeclock import WriteClock
 from mtcfs.persist.steps import StepRules, dirs_under
 from mtcfs.tiers.ram import RamTier, RamTierFull
 
 if TYPE_CHECKING:
-    from mtcfs.lifecycle import Lifecycle
-    from mtcfs.peer.tier import PeerTier
-    from mtcfs.persist.uploader import Uploader
-    from mtcfs.readthrough import ReadThrough
+    from mtcfs.fetch import Fetcher
+    from mtcfs.lifecycle.copies import Copies
+    from mtcfs.lifecycle.durability import Durability
+    from mtcfs.lifecycle.space import SpaceManager
 
 log = logging.getLogger(__name__)
 
@@ -114,20 +115,40 @@ class Stats:
     seal_full_passes: int = 0
 
 
-class Filesystem:
-    def __init__(self, ns: Namespace, ram: RamTier, node_id: str, control_socket: str,
-                 rules: StepRules | None = None, visibility: str = "fsync") -> None:
+class Filesystem(Listener):
+    """The mount's semantics. Its collaborators: the namespace and the RAM tier it
+    serves; `copies` (where copies are), `events` (what it tells the other parts:
+    seals, renames, removals), `kernel` (the kernel's caches, for changes the
+    kernel did not make), `clock` (when the trainer wrote), `fetcher` (data that is
+    not in this RAM tier), `space` (room for writers), `durability` (fsync's
+    level), `passthrough` (backing files), `visibility` (the commit rule).
+    It listens for other hosts' removals (remote_removed)."""
+
+    def __init__(self, ns: Namespace, ram: RamTier, copies: Copies, events: Listener,
+                 kernel: KernelCache, clock: WriteClock, fetcher: Fetcher,
+                 space: SpaceManager, durability: Durability, passthrough: Passthrough, *,
+                 node_id: str, control_socket: str, rules: StepRules | None = None,
+                 visibility: Visibility | None = None, visibility_mode: str = "fsync",
+                 durable_name: str = "durable") -> None:
         self.ns = ns
         self.ram = ram
+        self.copies = copies
+        self.events = events
+        self.kernel = kernel
+        self.clock = clock
+        self.fetcher = fetcher
+        self.space = space
+        self.durability = durability
+        self.passthrough = passthrough
         self.node_id = node_id
         self.control_socket = control_socket
         self.rules = rules or StepRules()
+        self.visibility: Visibility = visibility or LocalOnly()
         # "fsync": fsync, directory fsync and commits wait for the peers; "close": every
         # close of a written file too.
-        self.visibility_mode = visibility
-        self.visibility: Visibility = LocalOnly()
-        self.data_path = "fuse"  # or "passthrough": reads and writes bypass the daemon
-        self.passthrough = Passthrough(lambda fd: 0, lambda backing: None)
+        self.visibility_mode = visibility_mode
+        # The durable tier's name in `tiers` of user.mtcfs.state ("gcs", "file").
+        self.durable_name = durable_name
         # A writer is opened with passthrough only while the RAM tier has this much
         # room (its writes cannot be made to wait); below it, writes pass the daemon,
         # which makes them wait for room as eviction frees it.
@@ -140,91 +161,12 @@ class Filesystem:
         # True once any file carries security.capability: until then the
         # kernel's per-write capability probe is answered without a lookup.
         self.has_caps = any(b"security.capability" in n.xattrs for n in ns.inodes.values())
-        # The durable tier, when configured (set by the daemon): the uploader
-        # is told about seals, renames and removals; read-through fetches data
-        # that is not in RAM.
-        self.uploader: Uploader | None = None
-        self.readthrough: ReadThrough | None = None
-        # The peer tier, when configured: told about every change other hosts
-        # must see (broadcast) and every seal (replication).
-        self.peers: PeerTier | None = None
-        # Eviction, retention and fsync levels (set by the daemon).
-        self.lifecycle: Lifecycle | None = None
-        # Drops the kernel's cached name (set by the daemon; a no-op until the mount
-        # is live): for changes the kernel did not make (other hosts, retention).
-        self.invalidate_entry: Callable[[Inode, bytes], None] = lambda parent, name: None
-        self.kernel: KernelCache = KernelCache(lambda p, n: None, lambda i: None)
-        self.live = False  # the kernel has completed INIT (set by the daemon)
-        self.metrics_url: str | None = None
-        self.last_write = 0.0  # time.monotonic() of the last write(): replication yields to it
-        self._recover()
 
-    # -- startup ---------------------------------------------------------------
-
-    def _recover(self) -> None:
-        """Re-adopt the RAM dir: files that were being written when the daemon
-        died are marked incomplete, never presented as good files."""
-        incomplete = 0
-        with self.ns.store.transaction():
-            for node in self.ns.files():
-                if node.state == SEALING and self.ram.exists(node.ino):
-                    # Closed by its last writer; its checksum was not recorded yet.
-                    self._seal_at_start(node, same_or_incomplete=False)
-                elif node.state in (OPEN, SEALING):
-                    if self._seal_at_start(node, same_or_incomplete=True):
-                        continue  # opened for writing, but its data never changed
-                    node.state = INCOMPLETE
-                    node.crc32c = None
-                    self.ns.persist(node)
-                    incomplete += 1
-                    log.warning(
-                        "file %s was open for writing when the daemon stopped: marked incomplete",
-                        self.ns.path_of(node),
-                    )
-                elif node.state == CLOSED and not node.has_data:
-                    pass  # in the durable tier only: read through on open
-                elif node.state == CLOSED and not self.ram.exists(node.ino) and node.size > 0:
-                    if self.node_id in node.holders:
-                        node.holders.remove(self.node_id)
-                    if node.generation or node.holders:
-                        node.has_data = False  # still in the durable tier or on peers
-                    else:
-                        node.state = INCOMPLETE
-                        log.error("file %s lost its data in the RAM dir: marked incomplete",
-                                  self.ns.path_of(node))
-                    self.ns.persist(node)
-        # A partial fetch is dropped: it is fetched again on the next open.
-        adopted, orphans = self.ram.adopt({n.ino for n in self.ns.files() if n.has_data})
-        if adopted or orphans or incomplete:
-            log.info("re-adopted %d files from %s (%d incomplete, %d orphaned data files removed)",
-                     adopted, self.ram.root, incomplete, orphans)
-
-    def _seal_at_start(self, node: Inode, same_or_incomplete: bool) -> bool:
-        """At start-up, checksum a file's data in RAM. same_or_incomplete: accept it
-        only if it is its last sealed version unchanged (an open that never wrote).
-        Returns True when the file is sealed."""
-        try:
-            fd = os.open(self.ram.path(node.ino), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            size = os.fstat(fd).st_size
-            if same_or_incomplete and (not node.version or node.crc32c is None
-                                       or size != node.size):
-                return False
-            crc, blocks = block_crcs_of_fd(fd, size)
-        finally:
-            os.close(fd)
-        if same_or_incomplete and crc != node.crc32c:
-            return False
-        if not same_or_incomplete and not (crc == node.crc32c and size == node.size):
-            node.version += 1
-            node.holders = [self.node_id]
-            node.writer = self.node_id
-        node.size, node.crc32c, node.block_crcs, node.state = size, crc, blocks, CLOSED
-        self.ns.persist(node)
-        log.info("sealed %s at start-up (%d bytes)", self.ns.path_of(node), size)
-        return True
+    @property
+    def data_path(self) -> str:
+        """"passthrough" once the kernel agreed to it (reads and writes of files in
+        this RAM tier bypass the daemon), else "fuse"."""
+        return "passthrough" if self.passthrough.enabled else "fuse"
 
     # -- lookups ---------------------------------------------------------------
 
@@ -269,9 +211,9 @@ class Filesystem:
         node.lookups = max(0, node.lookups - n)
         self._maybe_drop(node)
 
-    def drop_if_unused(self, node: Inode) -> None:
-        """A node removed or replaced by a remote change: stale from now on (see
-        Inode.stale); freed once the kernel and handles let go."""
+    def remote_removed(self, node: Inode) -> None:
+        """(Listener) A node removed or replaced by another host's change: stale from
+        now on (see Inode.stale); freed once the kernel and handles let go."""
         node.stale = True
         self._maybe_drop(node)
 
@@ -289,7 +231,7 @@ class Filesystem:
         if not (node.pt_writers or node.pt_changed or node.state == SEALING):
             return
         try:
-            st = os.stat(self.ram.path(node.ino))
+            st = self.ram.stat(node.ino)
         except FileNotFoundError:
             return
         node.size = st.st_size
@@ -357,8 +299,8 @@ class Filesystem:
         if node.state != OPEN or size is not None or mode is not None or uid is not None:
             with self.ns.store.transaction():
                 self.ns.persist(node)
-        if self.peers is not None and node.state != OPEN:
-            self.peers.on_changed(node)
+        if node.state != OPEN:
+            self.events.changed([node])
         return node
 
     def _truncate(self, node: Inode, size: int) -> None:
@@ -366,7 +308,7 @@ class Filesystem:
             # Only in the durable tier and emptied: nothing to fetch. A new RAM
             # file, so that a fetch already in flight cannot write into it.
             self.ram.replace(node.ino)
-            node.has_data = True
+            self.copies.emptied(node)
         if size == node.size:
             return
         self._mark_dirty(node)
@@ -399,8 +341,8 @@ class Filesystem:
                 mode |= stat.S_ISGID
         node = self.ns.new_inode(parent, name, mode, uid, gid, target, rdev)
         node.lookups += 1
-        if self.peers is not None and not node.is_file:
-            self.peers.on_changed(node)
+        if not node.is_file:
+            self.events.changed([node])  # a file is announced at its seal
         return node
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
@@ -438,16 +380,10 @@ class Filesystem:
             raise FsError(errno.ENOTDIR)
         if node.children:
             raise FsError(errno.ENOTEMPTY)
+        path = self.ns.path_of(node)
         self.ns.unlink(parent, name)
-        if self.peers is not None:
-            self.peers.on_removed(node)
+        self.events.removed(node, path)
         self._maybe_drop(node)
-
-    def _removed(self, node: Inode, path: str) -> None:
-        if self.uploader is not None and node.is_file:
-            self.uploader.on_removed(node, path)
-        if self.peers is not None:
-            self.peers.on_removed(node)
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self._dir(parent_ino)
@@ -465,12 +401,9 @@ class Filesystem:
         """A name of `node` was removed (unlink, or replaced by a rename): the file is
         gone, or, hard-linked, lost one of its names."""
         if node.linked:
-            if self.uploader is not None:
-                self.uploader.on_name_removed(node, path, was_own)
-            if self.peers is not None:
-                self.peers.on_changed(node)
+            self.events.name_removed(node, path, was_own)
         else:
-            self._removed(node, path)
+            self.events.removed(node, path)
         self._maybe_drop(node)
 
     async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
@@ -542,11 +475,9 @@ class Filesystem:
                 return None
             paths = (self.ns.path_of(node), self.ns.path_of(target))
             self.ns.rename(old_parent, old_name, new_parent, new_name, exchange=True)
-            if self.uploader is not None:
-                self.uploader.on_renamed(node, paths[0])
-                self.uploader.on_renamed(target, paths[1])
-            if self.peers is not None:
-                self.peers.on_changed(node, target)
+            self.events.renamed(node, paths[0])
+            self.events.renamed(target, paths[1])
+            self.events.changed([node, target])  # one change: both names at once
             return node
         if target is not None:
             if flags & RENAME_NOREPLACE:
@@ -566,10 +497,8 @@ class Filesystem:
         replaced = self.ns.rename(old_parent, old_name, new_parent, new_name)
         if replaced is not None:
             self._name_gone(replaced, target_path, target_own)
-        if self.uploader is not None:
-            self.uploader.on_renamed(node, old_path)
-        if self.peers is not None:
-            self.peers.on_changed(node)
+        self.events.renamed(node, old_path)
+        self.events.changed([node])
         return node
 
     def link(self, node: Inode, new_parent_ino: int, new_name: bytes) -> Inode:
@@ -586,10 +515,7 @@ class Filesystem:
             raise FsError(errno.EEXIST)
         self.ns.link(node, parent, new_name)
         node.lookups += 1
-        if self.uploader is not None and node.is_file:
-            self.uploader.sync_links(node)
-        if self.peers is not None:
-            self.peers.on_changed(node)
+        self.events.linked(node)
         return node
 
     def opendir(self, node: Inode) -> int:
@@ -650,10 +576,8 @@ class Filesystem:
                       "rewrite or remove it", self.ns.path_of(node))
             raise FsError(errno.EIO)
         elif not node.has_data:
-            if self.readthrough is None:
-                raise FsError(errno.EIO)
             # Start fetching now; reads wait for the ranges they need.
-            self.readthrough.start(node)
+            self.fetcher.start(node)
         fh = self._open_handle(node, flags, uid)
         if writable and not node.has_data:
             try:
@@ -683,6 +607,7 @@ class Filesystem:
             # is checksummed from its RAM file when the last writer is gone.
             node.pt_writers += 1
             node.pt_changed = True
+            self.clock.wrote()
             self._crc[node.ino] = StreamingCrc(valid=False)
             node.wseq += 1
             with self.ns.store.transaction():
@@ -693,7 +618,7 @@ class Filesystem:
         """May the first open of `node` pass through (see mtcfs.fs.passthrough)?"""
         if not node.has_data or node.state == INCOMPLETE:
             return False  # being fetched, or never served: the daemon serves it
-        if self.readthrough is not None and self.readthrough.fetching(node):
+        if self.fetcher.busy(node):
             return False
         if writable:
             if node.mode & SETID:
@@ -747,7 +672,7 @@ class Filesystem:
             crc.update(off, buf if n == len(buf) else buf[:n])
         node.mtime_ns = node.ctime_ns = time.time_ns()
         self.stats.bytes_written += n
-        self.last_write = time.monotonic()
+        self.clock.wrote()
         return n
 
     async def write_after_room(self, fh: int, off: int, buf: bytes, need: int) -> int:
@@ -757,9 +682,7 @@ class Filesystem:
         h = self.handle(fh)
         while True:
             try:
-                if self.lifecycle is None:
-                    raise OSError(errno.ENOSPC, "no lifecycle: nothing can be evicted")
-                await self.lifecycle.space.make_room(need, self.ns.path_of(h.node))
+                await self.space.make_room(need, self.ns.path_of(h.node))
             except OSError:
                 self.ram.enospc_count += 1
                 raise FsError(errno.ENOSPC) from None
@@ -770,19 +693,17 @@ class Filesystem:
 
     async def _fetched(self, node: Inode, fd: int, off: int, size: int) -> bytes:
         """[off, off+size) of a file being read through, once verified."""
-        if self.readthrough is None:
-            raise FsError(errno.EIO)
         try:
-            return await self.readthrough.read(node, fd, off, size)
+            return await self.fetcher.read(node, fd, off, size)
         except OSError as e:
             log.error("cannot read %s: %s", self.ns.path_of(node), e.strerror)
             raise FsError(errno.EIO) from None
 
     async def open_for_write(self, node: Inode) -> None:
         """A writer of a file that is only in the durable tier needs all of it first."""
-        if not node.has_data and self.readthrough is not None:
+        if not node.has_data:
             try:
-                await self.readthrough.wait_complete(node)
+                await self.fetcher.wait_complete(node)
             except OSError:
                 raise FsError(errno.EIO) from None
 
@@ -813,8 +734,7 @@ class Filesystem:
             return
         self._crc_for(node)
         node.dirty = True
-        if self.uploader is not None:
-            self.uploader.on_changed(node)
+        self.events.rewriting(node)
         if node.state != OPEN:
             node.state = OPEN
             with self.ns.store.transaction():
@@ -838,10 +758,10 @@ class Filesystem:
                    or self.commits(node))
         # With passthrough the daemon does not see writes: a file a passthrough writer
         # had open counts as written (its checksum tells whether it changed).
-        if h.backing and self.lifecycle is not None:
+        if h.backing:
             # A passthrough writer that ran into the limit got ENOSPC from the kernel, not
             # from us: its close is where the daemon can notice.
-            self.lifecycle.space.check_full()
+            self.space.check_full()
         if node.writers <= 1 and (node.dirty or (h.backing and node.pt_changed)):
             if h.backing and not visible:
                 self.refresh(node)
@@ -876,15 +796,12 @@ class Filesystem:
                 return  # written during the seal's pass: the next fsync/close seals it
         node.fsynced = True
         await self._visible(node, "fsync of")
-        level = self.lifecycle.durability.level if self.lifecycle is not None else "local"
-        if level != "local":
+        if self.durability.level != "local":
             await self._durable(node)
 
     async def _durable(self, node: Inode) -> None:
-        if self.lifecycle is None:
-            return
         try:
-            await self.lifecycle.durability.wait(node)
+            await self.durability.wait(node)
         except OSError:
             raise FsError(errno.EIO) from None
 
@@ -945,25 +862,15 @@ class Filesystem:
         node.sealed_size = node.size
         if not same:
             node.version += 1
-            node.holders = [self.node_id]
-            node.writer = self.node_id
-        node.cached = False
+            self.copies.sealed_here(node)
         self.ram.reconcile(node.ino)
         with self.ns.store.transaction():
             self.ns.persist(node)
         self.stats.seals += 1
         if same:
-            if self.uploader is not None:
-                self.uploader.on_sealed(node)  # queued again if it was not persisted yet
-            if self.peers is not None:
-                self.peers.on_changed(node)
-            return
-        if self.lifecycle is not None:
-            self.lifecycle.on_sealed(node)
-        if self.uploader is not None:
-            self.uploader.on_sealed(node)
-        if self.peers is not None:
-            self.peers.on_sealed(node)
+            self.events.resealed(node)
+        else:
+            self.events.sealed(node)
 
     # -- extended attributes -----------------------------------------------------
 
@@ -1006,30 +913,22 @@ class Filesystem:
         }
 
     def _lifecycle_state(self, node: Inode, here: bool) -> str:
-        """Where the file is in DESIGN.md's lifecycle, as seen from this host:
+        """Where the file is in its lifecycle (docs/semantics.md), as seen from this host:
         open, incomplete, closed, replicated (K peer copies), persisted, evictable
         (this host's copy may go), evicted (written here, metadata only here now),
         remote (another host's file, not in this host's RAM)."""
         if node.state != CLOSED:
             return node.state
-        lc = self.lifecycle
         if not here:
             # Written here and dropped: evicted; another host's file: remote.
             return "evicted" if node.writer in ("", self.node_id) else "remote"
-        if lc is not None and lc.copies.droppable(node) and not lc.space.busy(node):
+        if self.copies.droppable(node) and not self.space.busy(node):
             return "evictable"
         if node.persisted:
             return "persisted"
-        if lc is not None and lc.copies.replicated(node):
+        if self.copies.replicated(node):
             return "replicated"
         return "closed"
-
-    @property
-    def durable_name(self) -> str:
-        """The durable tier's name in `tiers`: "gcs" for gs://, "file" for file://."""
-        if self.uploader is None:
-            return "durable"
-        return "gcs" if self.uploader.tier.url.startswith("gs:") else "file"
 
     def getxattr(self, node: Inode, name: bytes) -> bytes:
         if name == STATE_XATTR:
@@ -1091,5 +990,4 @@ class Filesystem:
             "bytes_read": self.stats.bytes_read,
             "seals": self.stats.seals,
             "seal_full_passes": self.stats.seal_full_passes,
-            "lifecycle": self.lifecycle.status() if self.lifecycle is not None else None,
         }

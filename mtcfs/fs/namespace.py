@@ -383,6 +383,20 @@ class Namespace:
             self.store.put_inode(node.row())
             self._touch_dir(parent, now)
 
+    def replace_inode(self, old: Inode, global_id: str) -> tuple[Inode, list[tuple[Inode, bytes]]]:
+        """New content for a file, made elsewhere: a new inode at its name (same mode,
+        owner and extended attributes, a new global id); `old` loses every name and is
+        stale. Returns the new inode and the (directory, name) pairs `old` lost."""
+        parent, name = self.inodes[old.parent], old.name
+        names = self.unlink_all(old)
+        old.stale = True
+        node = self.new_inode(parent, name, old.mode, old.uid, old.gid, global_id=global_id)
+        node.xattrs = dict(old.xattrs)
+        with self.store.transaction():
+            for key, value in node.xattrs.items():
+                self.store.put_xattr(node.ino, key, value)
+        return node, names
+
     def unlink_all(self, node: Inode) -> list[tuple[Inode, bytes]]:
         """Remove every name of the node; returns the (directory, name) pairs removed."""
         removed = [(self.inodes[p], n) for p, n in node.names()]

@@ -44,6 +44,12 @@ class Passthrough:
         self._daemon: dict[int, int] = {}  # ino -> handles served by the daemon
         self.stats = Stats()
 
+    @classmethod
+    def unused(cls) -> Passthrough:
+        """For a mount that never asks the kernel for passthrough: every handle is
+        served by the daemon."""
+        return cls(lambda fd: 0, lambda backing: None)
+
     def open(self, ino: int, fd: int, allowed: bool) -> int:
         """A new handle of `ino` (its data file open as `fd`): its backing id, or 0
         when the daemon serves it."""

@@ -1,6 +1,13 @@
-"""Where a file's copies are, and whether this host's copy may be dropped.
+"""Where a file's copies are: the one owner of that knowledge.
 
-The rules (DESIGN.md, "File lifecycle": the only copy is never evicted):
+Every change to where a file's copies are goes through `Copies`: this host's
+data (`has_data`, and whether it is a read-through `cached` copy), the hosts
+holding the current version (`holders`), the durable tier's object
+(`generation`, `persisted_version`). It records each change (the metadata
+store) and announces it (`events.copies_changed`, which the peer tier turns into
+an index broadcast). Every count of copies is one of its methods.
+
+The eviction rules (the only copy is never evicted):
 
 - a *cache* copy (read through from a peer or the bucket, never announced)
   may go when the file is persisted or a live peer holds it;
@@ -17,22 +24,34 @@ Only copies on live peers count: a dead holder's copy may never come back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from mtcfs.events import Listener
 from mtcfs.fs.namespace import CLOSED, Inode
+
+if TYPE_CHECKING:
+    from mtcfs.fs.namespace import Namespace
 
 OWN, REPLICA, CACHE = "own", "replica", "cache"
 
 
-@dataclass
-class Copies:
-    """This host's view of the cluster, as far as eviction needs it."""
+def _never(node_id: str) -> bool:
+    return False
 
-    node_id: str
-    replicas: int = 0  # K
-    is_live: Callable[[str], bool] = lambda node_id: False
-    durable: bool = False  # a durable tier is configured: own data waits to be persisted
+
+class Copies:
+    def __init__(self, node_id: str, replicas: int = 0,
+                 is_live: Callable[[str], bool] = _never, durable: bool = False,
+                 ns: Namespace | None = None, events: Listener | None = None) -> None:
+        self.node_id = node_id
+        self.replicas = replicas  # K
+        self.is_live = is_live
+        self.durable = durable  # a durable tier is configured: own data waits to be persisted
+        self._ns = ns  # records changes (None: the caller keeps records, as tests do)
+        self._events = events or Listener()
+
+    # -- counting ----------------------------------------------------------------------------
 
     def kind(self, node: Inode) -> str:
         if node.cached:
@@ -73,3 +92,147 @@ class Copies:
     def replicated(self, node: Inode) -> bool:
         """K verified peer copies of this version exist (--fsync replicas)."""
         return self.replicas >= 1 and self.replicas_of(node) >= self.replicas
+
+    def lost(self, node: Inode) -> bool:
+        """A sealed version with no copy left anywhere this host can reach."""
+        if node.state != CLOSED or node.persisted or not node.version:
+            return False
+        if node.has_data and not node.dirty:
+            return False
+        return self.elsewhere(node) == 0
+
+    def seen_holders(self, node: Inode) -> list[str]:
+        """The holders as `user.mtcfs.state` shows them: with this host if it has a copy."""
+        holders = list(node.holders)
+        if node.has_data and self.node_id not in holders:
+            holders.append(self.node_id)  # a cached copy, not announced
+        return holders
+
+    # -- this host's copy ----------------------------------------------------------------------
+
+    def sealed_here(self, node: Inode) -> None:
+        """A new version was written and sealed here: its one copy is this host's."""
+        node.holders = [self.node_id]
+        node.writer = self.node_id
+        node.cached = False
+        node.has_data = True
+
+    def received(self, node: Inode) -> None:
+        """A replica from a peer is in this RAM tier, verified."""
+        node.has_data = True
+        node.cached = False  # a replica now: announced by its sender
+        self._hold(node)
+        self._record(node)
+
+    def fetched(self, node: Inode) -> None:
+        """A copy read through (from a peer or the bucket) is in this RAM tier, verified."""
+        node.has_data = True
+        node.cached = True  # evictable while another copy exists
+        self._hold(node)
+        self._record(node)
+        self._events.fetched(node)
+
+    def emptied(self, node: Inode) -> None:
+        """A fresh RAM file for data about to be written (truncated to 0)."""
+        node.has_data = True
+
+    def evicted(self, node: Inode) -> None:
+        """This host's copy was dropped (evicted, or lost): other hosts hear of it."""
+        announced = self.node_id in node.holders
+        node.has_data = False
+        node.cached = False
+        if announced:
+            node.holders.remove(self.node_id)
+        self._record(node)
+        if announced:
+            self._events.copies_changed(node, self.node_id)
+
+    def lost_at_start(self, node: Inode) -> None:
+        """At start-up the data of a sealed file is gone from the RAM dir."""
+        if self.node_id in node.holders:
+            node.holders.remove(self.node_id)
+        node.has_data = False
+
+    def elsewhere_only(self, node: Inode) -> None:
+        """A version whose data is not here (another host's, or the bucket's)."""
+        node.has_data = False
+        node.cached = False
+
+    # -- peers' copies ----------------------------------------------------------------------
+
+    def replica_made(self, node: Inode, holder: str) -> None:
+        """A peer verified and stored a replica of this host's file."""
+        if holder not in node.holders:
+            node.holders.append(holder)
+        self._record(node)
+        self._events.copies_changed(node)
+
+    def merge(self, node: Inode, holders: Sequence[str], dropped: Sequence[str],
+              persisted_version: int, generation: int) -> tuple[bool, bool]:
+        """Another host's view of the same version: holders merge as a set (those it
+        says dropped their copy leave), and its persisted state is taken if newer.
+        Only this host knows whether it holds a copy. Returns (changed, disowned):
+        disowned when the view lists this host as a holder without a copy here."""
+        new = [h for h in holders if h not in node.holders and h != self.node_id]
+        gone = [h for h in dropped if h in node.holders and h not in holders
+                and h != self.node_id]
+        disowned = (self.node_id in holders and not node.has_data
+                    and self.node_id not in dropped)
+        persisted = node.persisted_version < persisted_version == node.version
+        if not new and not persisted and not gone:
+            return False, disowned
+        node.holders.extend(new)
+        node.holders[:] = [h for h in node.holders if h not in gone]
+        if persisted:
+            node.persisted_version, node.generation = persisted_version, generation
+        self._record(node)
+        return True, disowned
+
+    def take_version(self, node: Inode, holders: Sequence[str], persisted_version: int,
+                     generation: int, fresh: bool) -> bool:
+        """Another host's version (fresh: new content; its data is not here). Returns
+        whether the view lists this host as a holder of data it does not have."""
+        node.persisted_version, node.generation = persisted_version, generation
+        if fresh:
+            disowned = self.node_id in holders
+            node.holders = [h for h in holders if h != self.node_id]
+            node.has_data = False
+            return disowned
+        node.holders.extend(h for h in holders if h not in node.holders and h != self.node_id)
+        return False
+
+    # -- the durable tier ----------------------------------------------------------------------
+
+    def persisted(self, node: Inode, generation: int, version: int) -> None:
+        """The durable tier holds `version` under the file's name as `generation`."""
+        node.generation = generation
+        if node.version == version:
+            node.persisted_version = version
+        self._record(node)
+
+    def unpersisted(self, node: Inode) -> None:
+        """Its object no longer holds the file under its name (renamed, or gone)."""
+        node.generation = 0
+        node.persisted_version = 0
+        self._record(node)
+
+    def name_gone(self, node: Inode) -> None:
+        """The file's last name was removed: its object goes (nothing is recorded:
+        the inode goes too)."""
+        node.generation = 0
+
+    def in_bucket(self, node: Inode, generation: int) -> None:
+        """The bucket's object is this file's current version."""
+        node.generation = generation
+        node.persisted_version = node.version
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _hold(self, node: Inode) -> None:
+        if self.node_id not in node.holders:
+            node.holders.append(self.node_id)
+
+    def _record(self, node: Inode) -> None:
+        if self._ns is not None:
+            with self._ns.store.transaction():
+                self._ns.persist(node)

@@ -17,15 +17,15 @@ import errno
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from mtcfs.events import Listener
 from mtcfs.lifecycle.copies import Copies
 
 if TYPE_CHECKING:
-    from mtcfs.fs.filesystem import Filesystem
-    from mtcfs.fs.namespace import Inode
+    from mtcfs.fs.namespace import Inode, Namespace
     from mtcfs.persist.steps import StepRules
 
 log = logging.getLogger(__name__)
@@ -38,29 +38,50 @@ class NotDurable(OSError):
         super().__init__(errno.EIO, msg)
 
 
-class Durability:
-    def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules, level: str,
-                 timeout: float) -> None:
-        self.fs = fs
+class Persister(Protocol):
+    """The durable tier's uploads (mtcfs.persist.uploader)."""
+
+    def request(self, nodes: list[Inode]) -> tuple[int, int]:
+        """Persist these files now, whatever the policy."""
+        ...
+
+
+class Durability(Listener):
+    """fsync's level. `persister` is None without a durable tier; `peers`: whether
+    peers are configured (level gcs falls back to replicas for files never uploaded)."""
+
+    def __init__(self, ns: Namespace, copies: Copies, events: Listener, rules: StepRules,
+                 level: str, timeout: float, persister: Persister | None,
+                 peers: bool) -> None:
+        self.ns = ns
         self.copies = copies
+        self.events = events  # fsync_waiting: the peer tier pushes those files first
         self.rules = rules
         self.level = level
         self.timeout = timeout
+        self.persister = persister
+        self.peers = peers
         self.waits: dict[str, int] = {}
         self.wait_seconds: dict[str, float] = {}
         self.failures = 0
-        self.waiting: dict[int, int] = {}  # ino -> fsyncs waiting on it (pushed first)
-        self.on_waited: Callable[[str, float], None] = lambda level, seconds: None
+        # Observer (metrics): called with the level and the seconds an fsync waited.
+        self.observers: list[Callable[[str, float], None]] = []
         self._lot = trio.lowlevel.ParkingLot()
 
-    def changed(self) -> None:
-        """A file gained a copy or was persisted."""
+    # -- events (Listener) -------------------------------------------------------------
+
+    def copies_changed(self, node: Inode, dropped: str = "") -> None:
         self._lot.unpark_all()
+
+    def persisted(self, node: Inode) -> None:
+        self._lot.unpark_all()
+
+    # -- the level ---------------------------------------------------------------------
 
     def level_for(self, node: Inode) -> str:
         level = self.level
-        if level == GCS and (self.fs.uploader is None or self.rules.is_temporary(self.fs.ns, node)):
-            level = REPLICAS if self.copies.replicas and self.fs.peers is not None else LOCAL
+        if level == GCS and (self.persister is None or self.rules.is_temporary(self.ns, node)):
+            level = REPLICAS if self.copies.replicas and self.peers else LOCAL
         return level
 
     def reached(self, node: Inode, level: str) -> bool:
@@ -77,11 +98,11 @@ class Durability:
         level = self.level_for(node)
         if self.reached(node, level):
             return
-        if level == GCS and self.fs.uploader is not None:
-            self.fs.uploader.request([node])  # whatever the persist policy says
+        if level == GCS and self.persister is not None:
+            self.persister.request([node])  # whatever the persist policy says
         t0 = time.monotonic()
         version = node.version
-        self.waiting[node.ino] = self.waiting.get(node.ino, 0) + 1
+        self.events.fsync_waiting(node, True)
         try:
             with trio.move_on_after(self.timeout):
                 while not self.reached(node, level):
@@ -90,17 +111,16 @@ class Durability:
                     with trio.move_on_after(0.5):  # also re-check without a wake-up
                         await self._lot.park()
         finally:
-            n = self.waiting.pop(node.ino, 1) - 1
-            if n > 0:
-                self.waiting[node.ino] = n
+            self.events.fsync_waiting(node, False)
         took = time.monotonic() - t0
         self.waits[level] = self.waits.get(level, 0) + 1
         self.wait_seconds[level] = self.wait_seconds.get(level, 0.0) + took
-        self.on_waited(level, took)
+        for observe in self.observers:
+            observe(level, took)
         if self.reached(node, level) or node.version != version or node.dirty:
             return
         self.failures += 1
-        path = self.fs.ns.path_of(node)
+        path = self.ns.path_of(node)
         have = ("persisted" if node.persisted else
                 f"{self.copies.replicas_of(node)} of {self.copies.replicas} peer copies")
         msg = f"fsync {path}: level {level} not reached in {self.timeout:.0f} s ({have})"

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from mtcfs.events import Listener
 from mtcfs.fs.namespace import OPEN, ROOT
+from mtcfs.lifecycle.retired import RetiredSteps
 from mtcfs.lifecycle.space import SpaceManager, step_view
 from mtcfs.lifecycle.withdrawal import SUFFIX as WITHDRAWN_SUFFIX
-from mtcfs.persist.steps import dirs_under, files_under, step_number
+from mtcfs.persist.steps import StepRules, dirs_under, files_under, step_number
 
 if TYPE_CHECKING:
     from mtcfs.fs.filesystem import Filesystem
@@ -33,17 +35,34 @@ log = logging.getLogger(__name__)
 INTERVAL = 10.0
 
 
-class Retention:
-    def __init__(self, fs: Filesystem, space: SpaceManager, keep: int, grace: float) -> None:
+class Retention(Listener):
+    """Acts through the filesystem (`fs`): a removed step is removed as if by rm -r
+    on the mount, so uploads, peers and the kernel's caches hear of it."""
+
+    def __init__(self, fs: Filesystem, space: SpaceManager, rules: StepRules,
+                 retired: RetiredSteps, keep: int, grace: float) -> None:
         self.fs = fs
+        self.ns = fs.ns
         self.space = space
+        self.rules = rules
+        self.retired = retired  # its one writer
         self.keep = keep
         self.grace = grace
         self.removed_steps: list[str] = []
-        self.retired_dirs: set[int] = set()  # step directories retention evicted
         self._wake = trio.Event()
 
-    def kick(self) -> None:
+    # -- events (Listener): a pass may now evict or remove more ----------------------------
+
+    def sealed(self, node: Inode) -> None:
+        self._wake.set()
+
+    def persisted(self, node: Inode) -> None:
+        self._wake.set()
+
+    def copies_changed(self, node: Inode, dropped: str = "") -> None:
+        self._wake.set()
+
+    def remote_changed(self, nodes: list[Inode]) -> None:
         self._wake.set()
 
     async def run(self) -> None:
@@ -62,8 +81,8 @@ class Retention:
 
     def pass_once(self) -> int:
         """Evict what retention no longer keeps; returns the bytes given back."""
-        fs, space = self.fs, self.space
-        view = step_view(fs, space.rules, self.keep)
+        space = self.space
+        view = step_view(self.ns, self.rules, self.keep)
         if not view.complete:
             return 0
         kept = [d for d in view.complete if d.ino in view.kept]
@@ -74,31 +93,20 @@ class Retention:
             if d.ino in view.kept or (step_number(d.name) or -1) >= oldest_kept:
                 continue
             retired.add(d.ino)
-            for f in files_under(fs.ns, d):
+            for f in files_under(self.ns, d):
                 if f.persisted and space.copies.resident(f) and not space.busy(f):
                     freed += space.evict(f, "retention")
-        self.retired_dirs = retired
+        self.retired.dirs = retired
         newest = step_number(view.complete[-1].name)
         if newest is not None:
             self._drop_stale_incomplete(newest)
         return freed
 
-    def retired(self, node: Inode) -> bool:
-        """The node is in a step retention no longer keeps in RAM."""
-        ns = self.fs.ns
-        if not self.retired_dirs or not node.linked:
-            return False
-        while node.ino != ROOT:
-            if node.parent in self.retired_dirs:
-                return True
-            node = ns.inodes[node.parent]
-        return False
-
     def _drop_stale_incomplete(self, newest: int) -> None:
         """Remove incomplete steps numbered below the newest complete one: a save
         that was abandoned (the run has moved past it), once untouched for the
         grace period and with nothing open in it."""
-        fs, rules = self.fs, self.space.rules
+        fs, rules = self.fs, self.rules
         root = fs.ns.inodes[ROOT]
         now = time.time_ns()
         for ino in list((root.children or {}).values()):
@@ -136,7 +144,7 @@ class Retention:
                 self._remove_tree(child)
             else:
                 fs.unlink(d.ino, child_name)
-                fs.invalidate_entry(d, child_name)
+                fs.kernel.entry(d.ino, child_name)
         parent = fs.ns.inodes[d.parent]
         fs.rmdir(parent.ino, d.name)
-        fs.invalidate_entry(parent, d.name)
+        fs.kernel.entry(parent.ino, d.name)

@@ -19,19 +19,21 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from mtcfs.events import Listener
 from mtcfs.lifecycle.copies import CACHE, OWN, REPLICA, Copies
 from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
 from mtcfs.sizes import format_size
 
 if TYPE_CHECKING:
-    from mtcfs.fs.filesystem import Filesystem
-    from mtcfs.fs.namespace import Inode
+    from mtcfs.fs.namespace import Inode, Namespace
+    from mtcfs.peer.membership import Peer
+    from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +73,7 @@ class StepView:
     oldest_kept_rank: int  # steps ranked below it are older than every kept one
 
 
-def step_view(fs: Filesystem, rules: StepRules, keep: int) -> StepView:
-    ns = fs.ns
+def step_view(ns: Namespace, rules: StepRules, keep: int) -> StepView:
     steps = all_steps(ns, rules)
     complete = sorted((d for d in steps if rules.is_committed_step(ns, d)),
                       key=lambda d: (step_number(d.name) or -1, d.mtime_ns))
@@ -86,12 +87,27 @@ def step_view(fs: Filesystem, rules: StepRules, keep: int) -> StepView:
     return StepView(kept, order, complete, min(kept_ranks) if kept_ranks else 1 << 30)
 
 
-class SpaceManager:
-    def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
-                 keep_steps: int | None, full_timeout: float) -> None:
-        self.fs = fs
+class Activity(Protocol):
+    """A tier's work on files (uploads, pushes, fetches)."""
+
+    def busy(self, node: Inode) -> bool:
+        """This file's copy is being read or written by the tier right now."""
+        ...
+
+    def settling(self) -> bool:
+        """Work is pending that can make data safe elsewhere (uploads, replication)."""
+        ...
+
+
+class SpaceManager(Listener):
+    def __init__(self, ns: Namespace, ram: RamTier, copies: Copies, rules: StepRules,
+                 activity: Sequence[Activity], keep_steps: int | None,
+                 full_timeout: float) -> None:
+        self.ns = ns
+        self.ram = ram
         self.copies = copies
         self.rules = rules
+        self.activity = list(activity)
         self.keep = keep_steps or 1
         self.full_timeout = full_timeout
         self.stats = Stats()
@@ -102,36 +118,45 @@ class SpaceManager:
         # one per concurrent request of the same write.
         self._warned: dict[str, float] = {}
         self._logged: dict[str, float] = {}
-        # Set by the daemon: a way to tell whether data can still become safe
-        # (uploads or replication pending), so a hopeless wait ends at once.
-        self.can_become_safe: Callable[[], bool] = lambda: False
-        self.on_evicted: Callable[[Inode, str, int], None] = lambda node, reason, n: None
 
-    # -- notifications -----------------------------------------------------------------
+    def can_become_safe(self) -> bool:
+        """Uploads or replication are pending: a waiting writer may yet get room."""
+        return any(a.settling() for a in self.activity)
 
-    def changed(self) -> None:
-        """Something may have become evictable (persisted, replicated) or freed."""
+    # -- events (Listener) ---------------------------------------------------------------
+
+    def room_needed(self, need: int, safe_only: bool) -> None:
+        self.make_room_now(need, persisted_only=safe_only)
+
+    # Something may have become evictable (persisted, replicated elsewhere): waiting
+    # writers look again.
+
+    def sealed(self, node: Inode) -> None:
+        self._lot.unpark_all()
+
+    def persisted(self, node: Inode) -> None:
+        self._lot.unpark_all()
+
+    def copies_changed(self, node: Inode, dropped: str = "") -> None:
+        self._lot.unpark_all()
+
+    def remote_changed(self, nodes: list[Inode]) -> None:
+        self._lot.unpark_all()
+
+    def peer_alive(self, peer: Peer) -> None:
         self._lot.unpark_all()
 
     # -- choosing ------------------------------------------------------------------------
 
     def busy(self, node: Inode) -> bool:
         """Copies that are being read or written by someone right now."""
-        fs = self.fs
-        if node.opens:
-            return True
-        if fs.uploader is not None and node.ino in fs.uploader.inflight:
-            return True
-        if fs.peers is not None and node.ino in fs.peers.replicating:
-            return True
-        f = fs.readthrough.fetches.get(node.ino) if fs.readthrough is not None else None
-        return f is not None and not (f.done or f.error)
+        return bool(node.opens) or any(a.busy(node) for a in self.activity)
 
     def victims(self, view: StepView | None = None) -> list[tuple[tuple, Inode, str]]:
         """Droppable copies in eviction order: (sort key, node, reason)."""
-        view = view or step_view(self.fs, self.rules, self.keep)
+        view = view or step_view(self.ns, self.rules, self.keep)
         out = []
-        for node in self.fs.ns.files():
+        for node in self.ns.files():
             if not self.copies.droppable(node) or self.busy(node):
                 continue
             kind = self.copies.kind(node)
@@ -158,24 +183,12 @@ class SpaceManager:
     def evict(self, node: Inode, reason: str) -> int:
         """Drop this host's copy (metadata stays; reads go to a peer or the bucket).
         Returns the bytes given back to the RAM tier."""
-        fs = self.fs
-        before = fs.ram.charged(node.ino)
-        path = fs.ns.path_of(node) if node.linked else node.guid
-        fs.ram.remove(node.ino)
-        node.has_data = False
-        node.cached = False
-        announced = self.copies.node_id in node.holders
-        if announced:
-            node.holders.remove(self.copies.node_id)
-        if fs.readthrough is not None:
-            fs.readthrough.fetches.pop(node.ino, None)
-        with fs.ns.store.transaction():
-            fs.ns.persist(node)
-        if announced and fs.peers is not None:
-            fs.peers.index.holders_changed(node, dropped=self.copies.node_id)
+        before = self.ram.charged(node.ino)
+        path = self.ns.path_of(node) if node.linked else node.guid
+        self.ram.remove(node.ino)
+        self.copies.evicted(node)  # recorded, and announced if other hosts counted it
         self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + 1
         self.stats.evicted_bytes[reason] = self.stats.evicted_bytes.get(reason, 0) + before
-        self.on_evicted(node, reason, before)
         log.info("evicted %s from RAM (%s, %s; %s)", path, reason, format_size(before),
                  "persisted" if node.persisted else
                  f"{self.copies.elsewhere(node)} live peer copies")
@@ -188,7 +201,7 @@ class SpaceManager:
         """Evict until `need` bytes (plus a little headroom) are free. No waiting.
         `persisted_only` (room for a peer's replica): never this host's own data
         that only K replicas keep safe, nor another replica."""
-        ram = self.fs.ram
+        ram = self.ram
         if ram.capacity - ram.used >= need:
             return True
         goal = need + min(HEADROOM_MAX, int(ram.capacity * HEADROOM_FRACTION))
@@ -205,7 +218,7 @@ class SpaceManager:
         data to become safe (uploads, replicas). Raises NoSpace."""
         if self.make_room_now(need):
             return
-        ram = self.fs.ram
+        ram = self.ram
         t0 = time.monotonic()
         deadline = t0 + self.full_timeout
         self.waiting += 1
@@ -247,7 +260,7 @@ class SpaceManager:
         tmpfs): evict safe copies ahead of need, to keep twice `headroom` free, so that
         writers rarely meet a full tier; say so when it fills up anyway (those writers
         get ENOSPC from the kernel, at once)."""
-        ram = self.fs.ram
+        ram = self.ram
         while True:
             await trio.sleep(KEEP_ROOM_EVERY)
             if ram.free < 2 * headroom:
@@ -256,7 +269,7 @@ class SpaceManager:
 
     def check_full(self) -> None:
         """With passthrough: say so (once per episode) when the tier is full."""
-        if self.fs.ram.free >= FULL_BELOW:
+        if self.ram.free >= FULL_BELOW:
             self._full = False
             return
         if self._full:
@@ -270,9 +283,9 @@ class SpaceManager:
 
     def why_full(self, need: int, waited: float) -> str:
         """One line saying what holds the RAM tier and why none of it may go."""
-        ram = self.fs.ram
+        ram = self.ram
         held: dict[str, list[int]] = {}
-        for node in self.fs.ns.files():
+        for node in self.ns.files():
             if node.has_data and node.size:
                 if node.opens or node.dirty:
                     why = "open"

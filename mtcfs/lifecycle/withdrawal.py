@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from mtcfs.events import Listener
 from mtcfs.fs.filesystem import FsError
-from mtcfs.fs.namespace import CLOSED, ROOT
+from mtcfs.fs.namespace import ROOT
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.persist.steps import StepRules, all_steps, files_under
 
@@ -43,20 +44,31 @@ _SUFFIX = SUFFIX.encode()
 INTERVAL = 5.0  # a pass runs when peers come or go, when copies change, and this often
 
 
-class Withdrawal:
+class Withdrawal(Listener):
+    """Acts through the filesystem (`fs`): its renames are renames on the mount,
+    which every host hears of. `live_nodes`: the node ids of the live peers."""
+
     def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
                  live_nodes: Callable[[], list[str]]) -> None:
         self.fs = fs
         self.copies = copies
         self.rules = rules
-        self.live_nodes = live_nodes  # node ids of the live peers
+        self.live_nodes = live_nodes
         self.withdrawn = 0
         self.reinstated = 0
         self._wake = trio.Event()
-        # Observers (metrics): a step withdrawn, a step reinstated.
-        self.on_withdrawn: Callable[[], None] = lambda: None
+        # Observers (metrics): called once per step withdrawn.
+        self.observers: list[Callable[[], None]] = []
 
-    def kick(self) -> None:
+    # -- events (Listener): a copy may have gone, or come back -------------------------------
+
+    def peers_changed(self) -> None:
+        self._wake.set()
+
+    def remote_changed(self, nodes: list[Inode]) -> None:
+        self._wake.set()
+
+    def copies_changed(self, node: Inode, dropped: str = "") -> None:
         self._wake.set()
 
     async def run(self) -> None:
@@ -77,12 +89,7 @@ class Withdrawal:
         return self.copies.node_id <= min(self.live_nodes(), default=self.copies.node_id)
 
     def lost(self, f: Inode) -> bool:
-        """No copy of this version is left anywhere this host can reach."""
-        if f.state != CLOSED or f.persisted or not f.version:
-            return False
-        if f.has_data and not f.dirty:
-            return False  # here
-        return self.copies.elsewhere(f) == 0
+        return self.copies.lost(f)
 
     async def pass_once(self) -> None:
         if not self.acting():
@@ -129,7 +136,8 @@ class Withdrawal:
         if d.name + _SUFFIX not in (parent.children or {}):
             await self._rename(parent, d.name, parent, d.name + _SUFFIX)
         self.withdrawn += 1
-        self.on_withdrawn()
+        for observe in self.observers:
+            observe()
         log.error("withdrew step %s: %d file(s) lost their last copy (%s); its commit "
                   "marker(s) %s and the step directory are now named *%s, so that a "
                   "restarting job resumes from the newest intact step", path, len(names),
@@ -157,8 +165,8 @@ class Withdrawal:
         except FsError as e:
             log.warning("withdrawal: renaming %r failed: errno %d", n1, e.errno)
             return
-        self.fs.invalidate_entry(p1, n1)
-        self.fs.invalidate_entry(p2, n2)
+        self.fs.kernel.entry(p1.ino, n1)
+        self.fs.kernel.entry(p2.ino, n2)
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -69,7 +69,8 @@ class Broadcaster:
         self._progress = trio.Event()  # set on every ack and every membership change
         self._nursery: trio.Nursery | None = None
         # Observers (metrics): seconds a commit waited; a commit that timed out.
-        self.on_waited: Callable[[float], None] = lambda seconds: None
+        # Observers (metrics): called with the seconds a commit waited.
+        self.observers: list[Callable[[float], None]] = []
         self.on_timeout: Callable[[], None] = lambda: None
 
     # -- publishing --------------------------------------------------------------------
@@ -136,7 +137,8 @@ class Broadcaster:
         self.stats.waits += 1
         self.stats.wait_seconds += took
         self.stats.max_wait = max(self.stats.max_wait, took)
-        self.on_waited(took)
+        for observe in self.observers:
+            observe(took)
         if not missing:
             return []
         names = [f"{p.node_id or '?'} ({p.addr})" for p in missing]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from mtcfs.fs.namespace import CLOSED, ROOT, ROOT_GUID, Inode, Namespace
+from mtcfs.lifecycle.copies import Copies
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,12 @@ def entry_stamp(e: pb.Entry) -> tuple[int, str]:
 
 
 class ReplicatedIndex:
-    def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None) -> None:
+    def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
+                 copies: Copies | None = None) -> None:
         self.ns = ns
         self.node_id = node_id
         self.hooks = hooks or Hooks()
+        self.copies = copies or Copies(node_id, ns=ns)  # where copies are: their one owner
         self.tombstones: dict[str, tuple[int, str, float]] = {
             g: (lam, w, t) for g, lam, w, t in ns.store.load_tombstones()
         }
@@ -381,32 +384,21 @@ class ReplicatedIndex:
 
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
         """Same version: holders merge as a set, and a persisted flag is taken."""
-        # Only this host knows whether it holds a copy (it may have evicted it).
-        new = [h for h in e.holders if h not in node.holders and h != self.node_id]
-        gone = [h for h in e.dropped if h in node.holders and h not in e.holders
-                and h != self.node_id]
-        if self.node_id in e.holders and not node.has_data and self.node_id not in e.dropped:
+        changed, disowned = self.copies.merge(node, e.holders, e.dropped, e.persisted_version,
+                                              e.generation)
+        if disowned:
             self.disowned.append(node)
-        persisted = (node.persisted_version < e.persisted_version == node.version)
-        if not new and not persisted and not gone:
-            return False
-        node.holders.extend(new)
-        node.holders[:] = [h for h in node.holders if h not in gone]
-        if persisted:
-            node.persisted_version, node.generation = e.persisted_version, e.generation
-        self.ns.persist(node)
-        self.touched.append(node)
-        return True
+        if changed:
+            self.touched.append(node)
+        return changed
 
     def _replace(self, old: Inode, e: pb.Entry) -> Inode:
         """New content written elsewhere. A new inode: with the writeback cache the
         kernel trusts its own size of a file it has cached."""
-        parent = self.ns.inodes[old.parent]
-        self._unlink(old)
-        node = self.ns.new_inode(parent, e.name, e.mode, e.uid, e.gid, global_id=e.id)
-        node.xattrs = dict(old.xattrs)
-        for key, value in node.xattrs.items():
-            self.ns.store.put_xattr(node.ino, key, value)
+        node, names = self.ns.replace_inode(old, e.id)
+        for parent, name in names:
+            self.hooks.invalidate(parent, name, old)
+        self.hooks.removed(old)
         return node
 
     @staticmethod
@@ -423,17 +415,10 @@ class ReplicatedIndex:
         node.version = e.version
         node.state = CLOSED
         node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
-        node.persisted_version, node.generation = e.persisted_version, e.generation
-        if fresh:
-            if self.node_id in e.holders:
-                self.disowned.append(node)
-            node.holders = [h for h in e.holders if h != self.node_id]
-            if node.has_data:
-                self.hooks.forget_data(node)
-            node.has_data = False
-        else:
-            node.holders.extend(h for h in e.holders
-                                if h not in node.holders and h != self.node_id)
+        if fresh and node.has_data:
+            self.hooks.forget_data(node)
+        if self.copies.take_version(node, e.holders, e.persisted_version, e.generation, fresh):
+            self.disowned.append(node)
 
     def _release_pending(self, gid: str) -> None:
         waiting = self.pending.pop(gid, [])

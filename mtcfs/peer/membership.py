@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import trio
@@ -63,22 +63,40 @@ class Peer:
         }
 
 
+class MembershipEvents(Protocol):
+    """What membership tells (mtcfs.events.Listener has these)."""
+
+    def peer_alive(self, peer: Peer) -> None: ...
+
+    def peer_dead(self, peer: Peer) -> None: ...
+
+    def peers_changed(self) -> None: ...
+
+
+class _Unheard:
+    def peer_alive(self, peer: Peer) -> None:
+        pass
+
+    def peer_dead(self, peer: Peer) -> None:
+        pass
+
+    def peers_changed(self) -> None:
+        pass
+
+
 class Membership:
     def __init__(self, me: str, node_id: str, static: list[str], peers_file: str | None,
-                 secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None) -> None:
+                 secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
+                 events: MembershipEvents | None = None) -> None:
         self.me = me
         self.node_id = node_id
         self.static = static
         self.peers_file = peers_file
         self.metadata = security.call_metadata(secret)
         self.tls = tls
+        self.events = events or _Unheard()
         self.peers: dict[str, Peer] = {}
         self._file_mtime = 0.0
-        self.on_alive: Callable[[Peer], None] = lambda p: None
-        self.on_dead: Callable[[Peer], None] = lambda p: None
-        # Any change in whether commits wait for a peer (alive, dead, found unreachable).
-        self.on_change: Callable[[Peer], None] = lambda p: None
-        self.health_request: Callable[[], pb.HealthRequest] = pb.HealthRequest
         self._limiter = trio.CapacityLimiter(64)
         self._nursery: trio.Nursery | None = None
         self.sync_addresses()
@@ -107,7 +125,7 @@ class Membership:
                 p.removed = True
                 p.channel.close()
                 log.info("peer %s removed", addr)
-                self.on_change(p)
+                self.events.peers_changed()
 
     def _connect(self, addr: str) -> Peer:
         channel = security.open_channel(addr, self.tls)
@@ -115,6 +133,12 @@ class Membership:
 
     def live(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.alive]
+
+    def is_live(self, node_id: str) -> bool:
+        return self.by_node(node_id) is not None
+
+    def live_nodes(self) -> list[str]:
+        return [p.node_id for p in self.peers.values() if p.alive and p.node_id]
 
     def by_node(self, node_id: str) -> Peer | None:
         for p in self.peers.values():
@@ -140,7 +164,8 @@ class Membership:
     async def _check(self, p: Peer, wait: bool) -> bool:
         try:
             reply = await trio.to_thread.run_sync(
-                lambda: p.stub.Health(self.health_request(), timeout=HEALTH_TIMEOUT,
+                lambda: p.stub.Health(pb.HealthRequest(from_node=self.node_id, listen=self.me),
+                                      timeout=HEALTH_TIMEOUT,
                                       metadata=self.metadata, wait_for_ready=wait),
                 limiter=self._limiter)
         except grpc.RpcError as e:
@@ -162,8 +187,8 @@ class Membership:
         if not p.alive:
             p.alive = True
             log.info("peer %s (%s) is alive", p.addr, p.node_id)
-            self.on_alive(p)
-            self.on_change(p)
+            self.events.peer_alive(p)
+            self.events.peers_changed()
 
     def mark_alive(self, addr: str, node_id: str) -> None:
         """A peer at `addr` is pulling our snapshot: it is up, and from this moment
@@ -182,12 +207,12 @@ class Membership:
         if p.alive and p.failures >= DEAD_AFTER:
             p.alive = False
             log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
-            self.on_dead(p)
-            self.on_change(p)
+            self.events.peer_dead(p)
+            self.events.peers_changed()
         elif p.known_dead and not was_dead:
             log.info("peer %s has not answered %d checks: treated as dead until it does (%s)",
                      p.addr, DEAD_AFTER, why)
-            self.on_change(p)
+            self.events.peers_changed()
 
     def unresolved(self) -> list[Peer]:
         """Configured peers neither alive nor known dead (e.g. not yet reached)."""

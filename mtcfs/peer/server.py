@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterator
 from concurrent import futures
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import trio
@@ -23,9 +23,6 @@ from mtcfs.peer.security import BadRequest
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 from mtcfs.tiers.ram import RamTierFull
-
-if TYPE_CHECKING:
-    from mtcfs.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +39,30 @@ class Refused(Exception):
         self.code = code
 
 
+class PeerHandler(Protocol):
+    """What the service needs of the host around it (the peer tier implements it).
+    Methods marked "trio" run in the daemon's trio thread, the others in gRPC threads."""
+
+    node_id: str
+
+    def lamport(self) -> int: ...
+    def health_reply(self) -> pb.HealthReply: ...
+    def needs_poke(self, listen: str) -> bool: ...
+    def poke(self, listen: str) -> None: ...  # trio
+    def on_batch(self, batch: pb.ChangeBatch) -> int: ...  # trio
+    def kernel_settle(self, timeout: float) -> bool: ...
+    def snapshot_for(self, from_node: str, listen: str) -> list[pb.Entry]: ...  # trio
+    def held(self) -> list[pb.HeldFile]: ...  # trio
+    def begin_receive(self, e: pb.Entry) -> tuple[int, str]: ...  # trio
+    def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool: ...  # trio
+    def abort_receive(self, key: int, tmp: str) -> None: ...  # trio
+    def yield_to_writes(self, budget: float) -> float: ...
+    def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]: ...  # trio
+
+
 class PeerService(pb_grpc.PeerServicer):
-    def __init__(self, tier: PeerTier, token: trio.lowlevel.TrioToken) -> None:
-        self.tier = tier
+    def __init__(self, handler: PeerHandler, token: trio.lowlevel.TrioToken) -> None:
+        self.tier = handler
         self.token = token
 
     def _in_trio(self, fn: Any, *args: Any) -> Any:
@@ -66,9 +84,9 @@ class PeerService(pb_grpc.PeerServicer):
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
         if (request.listen and len(request.listen) < 300
-                and self.tier.members.needs_poke(request.listen)):
+                and self.tier.needs_poke(request.listen)):
             # A peer that calls us is up: do not wait for our next round to find out.
-            self._in_trio(self.tier.members.poke, request.listen)
+            self._in_trio(self.tier.poke, request.listen)
         return self.tier.health_reply()
 
     def Broadcast(self, request: pb.ChangeBatch, context: grpc.ServicerContext) -> pb.BatchReply:
@@ -81,7 +99,7 @@ class PeerService(pb_grpc.PeerServicer):
         # caches first (bounded: a notification can wait for a directory lock that a
         # local commit holds while it waits for the sender; see mtcfs.fs.kernel).
         self.tier.kernel_settle(KERNEL_SETTLE)
-        return pb.BatchReply(applied=applied, lamport=self.tier.index.clock)
+        return pb.BatchReply(applied=applied, lamport=self.tier.lamport())
 
     def Snapshot(self, request: pb.SnapshotRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.ChangeBatch]:
@@ -93,15 +111,10 @@ class PeerService(pb_grpc.PeerServicer):
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-        def take() -> list[pb.Entry]:
-            # In the trio thread, so nothing is committed between the two steps: the
-            # requester counts for commits from this snapshot on.
-            self.tier.serving_snapshot(request.from_node, request.listen)
-            return list(self.tier.index.snapshot())
-
-        entries = self._in_trio(take)
+        # In the trio thread: the requester counts for commits from this snapshot on.
+        entries = self._in_trio(self.tier.snapshot_for, request.from_node, request.listen)
         for i in range(0, len(entries), SNAPSHOT_BATCH):
-            yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.index.clock,
+            yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
                                  entries=entries[i:i + SNAPSHOT_BATCH])
 
     def ListHeld(self, request: pb.ListHeldRequest,
@@ -134,7 +147,7 @@ class PeerService(pb_grpc.PeerServicer):
             self._fail(context, exc)
         finally:
             if not ok:  # refused, failed or aborted: give back the space reserved
-                self._in_trio(self.tier.ram.abort_incoming, key, tmp)
+                self._in_trio(self.tier.abort_receive, key, tmp)
         return pb.PushReply(stored=ok, node_id=self.tier.node_id)
 
     def _receive(self, first: pb.PushChunk, rest: Iterator[pb.PushChunk], e: pb.Entry,
@@ -182,7 +195,7 @@ class PeerService(pb_grpc.PeerServicer):
             os.close(fd)
 
 
-def start_server(tier: PeerTier, listen: str, token: trio.lowlevel.TrioToken,
+def start_server(tier: PeerHandler, listen: str, token: trio.lowlevel.TrioToken,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
                  workers: int = 16) -> tuple[grpc.Server, int]:
     """Start listening on `listen` only; returns the server and the bound port."""

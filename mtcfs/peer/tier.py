@@ -6,7 +6,7 @@
   background, with bounded concurrency; a replica counts once the receiver
   has verified it and stored it in its RAM tier.
 - Files whose data is elsewhere are fetched from a live holder, block by block
-  verified against the index's per-block crc32cs (mtcfs.readthrough drives it).
+  verified against the index's per-block crc32cs (mtcfs.fetch drives it).
 
 Runs in the daemon's trio thread; blocking gRPC calls run in worker threads.
 """
@@ -29,7 +29,12 @@ import grpc
 import trio
 
 from mtcfs.checksums import BlockVerifier, IntegrityError
+from mtcfs.events import Listener
+from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
+from mtcfs.fs.writeclock import WriteClock
+from mtcfs.lifecycle.copies import Copies
+from mtcfs.lifecycle.retired import RetiredSteps
 from mtcfs.peer import mover, placement
 from mtcfs.peer.dissemination import Broadcaster, SendFailed
 from mtcfs.peer.index import Hooks, ReplicatedIndex
@@ -80,13 +85,49 @@ class _Progress:
         self.last = time.monotonic()
 
 
-class PeerTier(Hooks):
-    def __init__(self, ns: Namespace, ram: RamTier, node_id: str, listen: str,
-                 peers: list[str], peers_file: str | None, replicas: int,
+class _Applied(Hooks):
+    """What applying other hosts' changes does around the namespace: the kernel's
+    caches, this host's stale data, the parts that react to remote changes."""
+
+    def __init__(self, tier: PeerTier) -> None:
+        self.tier = tier
+
+    def forget_data(self, node: Inode) -> None:
+        self.tier.repl_queue.pop(node.ino, None)
+        self.tier.ram.remove(node.ino)
+
+    def invalidate(self, parent: Inode, name: bytes, node: Inode | None) -> None:
+        self.tier.kernel.entry(parent.ino, name)
+
+    def removed(self, node: Inode) -> None:
+        self.tier.repl_queue.pop(node.ino, None)
+        self.tier.events.remote_removed(node)
+
+    def moved(self, node: Inode) -> None:
+        self.tier.events.remote_moved(node)
+
+    def attrs_changed(self, node: Inode) -> None:
+        self.tier.kernel.attrs(node.ino)
+
+
+class PeerTier(Listener):
+    """This host's part in the job's one filesystem: it hears of this host's changes
+    (as a Listener) and broadcasts them, replicates sealed files, serves and fetches
+    copies, and applies other hosts' changes (mtcfs.peer.index)."""
+
+    def __init__(self, ns: Namespace, ram: RamTier, copies: Copies, events: Listener,
+                 kernel: KernelCache, members: Membership, clock: WriteClock,
+                 retired: RetiredSteps, *, node_id: str, listen: str, replicas: int,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None = None,
                  failure_domain: str = "", commit_timeout: float = 10.0) -> None:
         self.ns = ns
         self.ram = ram
+        self.copies = copies
+        self.events = events
+        self.kernel = kernel
+        self.members = members
+        self.clock = clock  # when the trainer last wrote: replication yields to it
+        self.retired = retired  # steps retention dropped everywhere need no more replicas
         self.node_id = node_id
         self.listen = listen
         self.replicas = replicas
@@ -94,45 +135,21 @@ class PeerTier(Hooks):
         self.tls = tls
         self.failure_domain = failure_domain
         self.commit_timeout = commit_timeout
-        self.index = ReplicatedIndex(ns, node_id, self)
-        self.members = Membership(listen, node_id, peers, peers_file, secret, tls)
-        self.members.on_alive = self._on_alive
-        self.members.on_dead = self._on_dead
-        self.members.health_request = lambda: pb.HealthRequest(
-            from_node=node_id, lamport=self.index.clock, listen=listen)
+        self.index = ReplicatedIndex(ns, node_id, _Applied(self), copies)
         self.broadcaster = Broadcaster(self.members, self._send_batch, commit_timeout)
-        self.members.on_change = lambda p: self.broadcaster.kick()
         self.index.outbox = self.broadcaster.publish
         self.stats = Stats()
         self.server: grpc.Server | None = None
         self.port = 0
         self.repl_queue: dict[int, Inode] = {}
         self.replicating: dict[int, Inode] = {}
+        self._urgent: dict[int, int] = {}  # ino -> fsyncs waiting for its copies
         self._wake_repl = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._started = False
         self._limiter = trio.CapacityLimiter(32)
         self._mover: ProcessPoolExecutor | None = None
-        # The FUSE layer sets these: drop kernel caches of names/inodes a remote
-        # change touched; unlinked nodes are dropped once nothing uses them.
-        self.invalidate_hook: Callable[[Inode, bytes, Inode | None], None] | None = None
-        self.removed_hook: Callable[[Inode], None] | None = None
-        self.attrs_hook: Callable[[int], None] | None = None
-        # Waits (bounded) until the kernel has been told about the changes applied so
-        # far; called in a gRPC thread before a broadcast is acknowledged.
-        self.kernel_settle: Callable[[float], bool] = lambda timeout: True
-        self.on_remote: Callable[[list[Inode]], None] = lambda nodes: None
-        self.on_moved: Callable[[Inode], None] = lambda node: None
-        # The lifecycle sets these: a file gained a peer copy (fsync waiters, lag
-        # metrics); a file retention evicted everywhere needs no more replicas;
-        # room for an incoming replica may be made by evicting safe data.
-        self.on_copies: Callable[[Inode], None] = lambda node: None
-        self.retired: Callable[[Inode], bool] = lambda node: False
-        self.make_room: Callable[[int], bool] = lambda need: False
-        self.urgent: Callable[[Inode], bool] = lambda node: False  # an fsync waits for it
-        # When the trainer last wrote (the filesystem's clock): replication yields
-        # to writes, here and, through shared memory, in the push workers.
-        self.last_write: Callable[[], float] = lambda: 0.0
+        # The trainer's write clock, shared with the push workers (spawned processes).
         self._shared_last_write = multiprocessing.get_context("spawn").RawValue("d", 0.0)
 
     # -- start-up --------------------------------------------------------------------
@@ -175,14 +192,19 @@ class PeerTier(Hooks):
             self.server.stop(grace=0.5)
         self.members.close()
 
-    def _on_alive(self, p: Peer) -> None:
+    # -- membership (Listener) --------------------------------------------------------
+
+    def peer_alive(self, peer: Peer) -> None:
         if self._started and self._nursery is not None:
             # Back after a restart or a partition: merge what it has that we missed.
-            self._nursery.start_soon(self.catch_up, p)
+            self._nursery.start_soon(self.catch_up, peer)
         self._requeue_unreplicated()
 
-    def _on_dead(self, p: Peer) -> None:
+    def peer_dead(self, peer: Peer) -> None:
         self._requeue_unreplicated()
+
+    def peers_changed(self) -> None:
+        self.broadcaster.kick()
 
     async def catch_up(self, p: Peer) -> None:
         def pull() -> tuple[list[pb.Entry], int]:
@@ -216,43 +238,53 @@ class PeerTier(Hooks):
         log.info("caught up with %s (%s): %d entries, %d applied", p.addr, p.node_id,
                  len(entries), applied)
 
-    # -- hooks from the index (Hooks) ------------------------------------------------
+    # -- this host's changes (Listener) ----------------------------------------------
 
-    def forget_data(self, node: Inode) -> None:
-        self.repl_queue.pop(node.ino, None)
-        self.ram.remove(node.ino)
-
-    def invalidate(self, parent: Inode, name: bytes, node: Inode | None) -> None:
-        if self.invalidate_hook is not None:
-            self.invalidate_hook(parent, name, node)
-
-    def removed(self, node: Inode) -> None:
-        self.repl_queue.pop(node.ino, None)
-        if self.removed_hook is not None:
-            self.removed_hook(node)
-
-    def moved(self, node: Inode) -> None:
-        self.on_moved(node)
-
-    def attrs_changed(self, node: Inode) -> None:
-        if self.attrs_hook is not None:
-            self.attrs_hook(node.ino)
-
-    # -- notifications from the filesystem ------------------------------------------
-
-    def on_sealed(self, node: Inode) -> None:
-        node.holders = [self.node_id]
+    def sealed(self, node: Inode) -> None:
         self.index.changed(node)
         if self.replicas > 0:
             self.repl_queue[node.ino] = node
             self._wake_repl.set()
 
-    def on_changed(self, *nodes: Inode) -> None:
+    def resealed(self, node: Inode) -> None:
+        self.index.changed(node)
+
+    def changed(self, nodes: list[Inode]) -> None:
         self.index.changed(*nodes)
 
-    def on_removed(self, node: Inode) -> None:
+    def linked(self, node: Inode) -> None:
+        self.index.changed(node)
+
+    def name_removed(self, node: Inode, path: str, was_own: bool) -> None:
+        self.index.changed(node)
+
+    def removed(self, node: Inode, path: str) -> None:
         self.repl_queue.pop(node.ino, None)
         self.index.removed(node)
+
+    def persisted(self, node: Inode) -> None:
+        self.index.holders_changed(node)
+
+    def copies_changed(self, node: Inode, dropped: str = "") -> None:
+        self.index.holders_changed(node, dropped=dropped)
+
+    def fsync_waiting(self, node: Inode, waiting: bool) -> None:
+        n = self._urgent.get(node.ino, 0) + (1 if waiting else -1)
+        if n > 0:
+            self._urgent[node.ino] = n
+        else:
+            self._urgent.pop(node.ino, None)
+
+    def urgent(self, node: Inode) -> bool:
+        """An fsync waits for this file's copies: its push does not yield."""
+        return node.ino in self._urgent
+
+    def busy(self, node: Inode) -> bool:
+        return node.ino in self.replicating
+
+    def settling(self) -> bool:
+        """Replication in flight or queued (it can make data evictable)."""
+        return bool(self.replicas and self.members.live() and not self.quiet())
 
     # -- broadcast -------------------------------------------------------------------
 
@@ -276,17 +308,36 @@ class PeerTier(Hooks):
     def _apply(self, entries: list[pb.Entry]) -> int:
         n = self.index.apply(entries)
         if self.index.touched:
-            self.on_remote(self.index.touched)
+            self.events.remote_changed(self.index.touched)
         for node in self.index.disowned:
             # Listed as a holder of a copy this host does not have (a replacement with
             # the same node id, or one that evicted it): readers must not ask us.
             self.index.holders_changed(node, dropped=self.node_id)
         return n
 
-    def serving_snapshot(self, from_node: str, listen: str) -> None:
-        """A peer pulls our snapshot: it counts for commits from now on."""
+    # -- the service's handler (mtcfs.peer.server.PeerHandler) ------------------------
+
+    def lamport(self) -> int:
+        return self.index.clock
+
+    def needs_poke(self, listen: str) -> bool:
+        return self.members.needs_poke(listen)
+
+    def poke(self, listen: str) -> None:
+        self.members.poke(listen)
+
+    def kernel_settle(self, timeout: float) -> bool:
+        return self.kernel.settle(timeout)
+
+    def snapshot_for(self, from_node: str, listen: str) -> list[pb.Entry]:
+        """A peer pulls our snapshot: it counts for commits from now on (nothing is
+        committed between the two steps: both run in the trio thread)."""
         if listen:
             self.members.mark_alive(listen, from_node)
+        return list(self.index.snapshot())
+
+    def abort_receive(self, key: int, tmp: str) -> None:
+        self.ram.abort_incoming(key, tmp)
 
     async def wait_applied(self, what: str, node: Inode | None = None) -> list[str]:
         """The commit rule: return once every live peer has applied everything this
@@ -306,7 +357,7 @@ class PeerTier(Hooks):
         # Only copies on live peers count: a dead holder's copy is made again elsewhere.
         return (self.replicas > 0 and node.linked and node.state == CLOSED and node.has_data
                 and not node.dirty and node.writer == self.node_id
-                and not (node.persisted and self.retired(node))
+                and not (node.persisted and self.retired.contains(node))
                 and len([h for h in node.holders if h != self.node_id
                          and self.members.by_node(h) is not None]) < self.replicas)
 
@@ -360,11 +411,7 @@ class PeerTier(Hooks):
             if not self._needs_copies(node) or node.version != version:
                 continue  # removed (its directory may be gone too) or rewritten meanwhile
             if await self._push(node, target) and node.version == version and node.linked:
-                if target.node_id not in node.holders:
-                    node.holders.append(target.node_id)
-                self.ns.persist(node)
-                self.index.holders_changed(node)
-                self.on_copies(node)
+                self.copies.replica_made(node, target.node_id)
 
     async def _drained(self, p: Peer) -> None:
         """Wait (bounded) until the changes queued for p have reached it: a replica
@@ -426,11 +473,11 @@ class PeerTier(Hooks):
 
     def yield_to_writes(self, budget: float) -> float:
         """In a receiving thread: pause while this host's trainer writes (bounded)."""
-        return mover.pause_while_writing(self.last_write, budget)
+        return mover.pause_while_writing(self.clock.last_write, budget)
 
     async def _share_write_clock(self) -> None:
         while True:
-            self._shared_last_write.value = self.last_write()
+            self._shared_last_write.value = self.clock.last_write()
             await trio.sleep(mover.PAUSE)
 
     async def _watched(self, fn: Callable[[], Any], prog: _Progress) -> Any:
@@ -465,8 +512,8 @@ class PeerTier(Hooks):
             raise Refused(grpc.StatusCode.ALREADY_EXISTS, "this node already holds it")
         if node is not None and node.linked and node.dirty:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "being rewritten here")
-        if self.ram.capacity - self.ram.used < e.size:
-            self.make_room(e.size)  # persisted data and caches only: see lifecycle.space
+        if self.ram.free < e.size:
+            self.events.room_needed(e.size, True)  # persisted data and caches only
         return self.ram.begin_incoming(e.size)
 
     def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
@@ -481,12 +528,7 @@ class PeerTier(Hooks):
                           "the file changed here meanwhile")
         if not node.has_data:
             self.ram.install_incoming(key, tmp, node.ino)
-            node.has_data = True
-        node.cached = False  # a replica now, announced below
-        if self.node_id not in node.holders:
-            node.holders.append(self.node_id)
-        with self.ns.store.transaction():
-            self.ns.persist(node)
+        self.copies.received(node)
         self.stats.replicas_received += 1
         self.stats.replica_bytes_received += e.size
         return True
@@ -508,7 +550,7 @@ class PeerTier(Hooks):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"version {node.version} here, {version} asked for")
         size = node.sealed_size if rewritten else node.size
-        return os.open(self.ram.path(node.ino), os.O_RDONLY | os.O_CLOEXEC), size
+        return self.ram.open_read(node.ino), size
 
     def held(self) -> list[pb.HeldFile]:
         return [pb.HeldFile(id=n.guid, path=self.ns.path_of(n), version=n.version, size=n.size,

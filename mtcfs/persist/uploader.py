@@ -26,10 +26,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -40,7 +39,9 @@ from mtcfs.checksums import (
     crc_of_chunks,
     encode_chunk_meta,
 )
+from mtcfs.events import Listener
 from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
+from mtcfs.lifecycle.copies import Copies
 from mtcfs.persist.policy import Mode, PersistPolicy
 from mtcfs.persist.steps import (
     StepRules,
@@ -57,6 +58,9 @@ from mtcfs.tiers.durable import (
     PreconditionFailed,
     Unavailable,
 )
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +108,21 @@ class Stats:
     copies: int = 0
 
 
-class Uploader:
-    def __init__(self, ns: Namespace, data_path: Any, tier: DurableTier, policy: PersistPolicy,
-                 rules: StepRules, concurrency: int = 4) -> None:
+class Uploader(Listener):
+    def __init__(self, ns: Namespace, ram: RamTier, tier: DurableTier, policy: PersistPolicy,
+                 rules: StepRules, copies: Copies, events: Listener,
+                 node_id: str = "", concurrency: int = 4) -> None:
         self.ns = ns
-        self.data_path = data_path  # ino -> path of its data in the RAM tier
+        self.ram = ram
         self.tier = tier
+        self.copies = copies  # where a file's copies are: records persisted state
+        # persisted: the peer tier announces it, the lifecycle counts; copy_wanted: the
+        # fetcher brings another host's file here (`mtcfs persist` of a file this host
+        # did not write and holds no copy of).
+        self.events = events
+        # With peers, each host uploads the files it wrote; the others learn that a file
+        # is persisted from the index. Without peers (""), this host owns every file.
+        self.node_id = node_id
         self.policy = policy
         self.rules = rules
         self.concurrency = concurrency
@@ -123,10 +136,10 @@ class Uploader:
         # Files `mtcfs persist` asked for and not yet persisted: kept in the
         # metadata store, so a request survives a daemon crash or restart.
         self.requested: set[int] = set(json.loads(ns.store.get_meta(REQUESTED_KEY) or "[]"))
-        self.copies: dict[tuple[int, str], CopyJob] = {}
+        self.copy_jobs: dict[tuple[int, str], CopyJob] = {}
         for job in json.loads(ns.store.get_meta(COPIES_KEY) or "[]"):
             j = CopyJob(**job)
-            self.copies[j.key()] = j
+            self.copy_jobs[j.key()] = j
         self._copying: set[tuple[int, str]] = set()
         # ino -> {key: [generation, version]}: objects of hard links' further names.
         self.links: dict[int, dict[str, list[int]]] = {
@@ -138,17 +151,10 @@ class Uploader:
         self._limiter = trio.CapacityLimiter(concurrency)
         # Transient errors the tier retries by itself (GCS outage) show in status at once.
         tier.on_retry = self._tier_retrying
-        # With peers, each host uploads the files it wrote; the others learn that a
-        # file is persisted from the index (node_id and on_persisted set by the daemon).
-        self.node_id = ""
-        self.on_persisted: Callable[[Inode], None] = lambda node: None
-        # Brings another host's file into this host's RAM (set by the daemon): for
-        # `mtcfs persist` of files this host did not write and holds no copy of.
-        self.fetch: Callable[[Inode], None] = lambda node: None
 
     # -- notifications from the filesystem (never block) -------------------------
 
-    def on_sealed(self, node: Inode) -> None:
+    def sealed(self, node: Inode) -> None:
         self.failed.pop(node.ino, None)
         if node.ino in self.requested:
             self._enqueue(node)  # asked for by `mtcfs persist`: also after a rewrite/rename
@@ -165,7 +171,7 @@ class Uploader:
             if step is not None and not self.rules.is_temporary(self.ns, node):
                 self._enqueue(node)  # a file added to an already committed step
 
-    def on_renamed(self, node: Inode, old_path: str) -> None:
+    def renamed(self, node: Inode, old_path: str) -> None:
         """`node` (a file or a directory) was moved from `old_path` by this host.
         Persisted files are copied to their new names server-side, old objects
         deleted only once the copy is there; the others are uploaded per policy."""
@@ -184,13 +190,11 @@ class Uploader:
                                            f.version, move=True))
                 else:
                     self._delete_later(old_key, f.generation)
-                f.generation = 0
-                f.persisted_version = 0
-                self.ns.persist(f)
+                self.copies.unpersisted(f)
             self._save_copies()
         for f in files:
             if f.state == CLOSED and not self._copy_pending(f):
-                self.on_sealed(f)
+                self.sealed(f)
             self.sync_links(f)
         if node.is_dir and self.policy.mode is Mode.STEP:
             for d in [node, *dirs_under(self.ns, node)]:
@@ -198,7 +202,7 @@ class Uploader:
                     self.commit_step(d)
         self._lot.unpark_all()
 
-    def on_remote_moved(self, node: Inode) -> None:
+    def remote_moved(self, node: Inode) -> None:
         """Another host moved `node`: its persisted files are no longer persisted under
         their (new) names until that host's copies land, which it announces."""
         files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
@@ -206,12 +210,10 @@ class Uploader:
         with self.ns.store.transaction():
             for f in files:
                 if f.generation:
-                    f.generation = 0
-                    f.persisted_version = 0
+                    self.copies.unpersisted(f)
                     f.copy_grace = deadline
-                    self.ns.persist(f)
 
-    def on_name_removed(self, node: Inode, path: str, was_own: bool) -> None:
+    def name_removed(self, node: Inode, path: str, was_own: bool) -> None:
         """A hard-linked file lost the name at `path` (it keeps others)."""
         objs = self.links.get(node.ino, {})
         with self.ns.store.transaction():
@@ -221,18 +223,23 @@ class Uploader:
                 self._delete_later(path, node.generation)
                 adopted = objs.pop(self.ns.path_of(node), None)
                 if adopted is not None and adopted[1] == node.version:
-                    node.generation = adopted[0]
+                    self.copies.persisted(node, adopted[0], node.version)
                 else:
                     if adopted is not None:
                         self._delete_later(self.ns.path_of(node), adopted[0])
-                    node.generation = 0
-                    node.persisted_version = 0
-                self.ns.persist(node)
+                    self.copies.unpersisted(node)
             elif not was_own and path in objs:
                 self._delete_later(path, objs.pop(path)[0])
             self._save_links()
         if not node.persisted and node.state == CLOSED:
-            self.on_sealed(node)
+            self.sealed(node)
+        self.sync_links(node)
+
+    def resealed(self, node: Inode) -> None:
+        """Sealed again unchanged: queued again if it was not persisted yet."""
+        self.sealed(node)
+
+    def linked(self, node: Inode) -> None:
         self.sync_links(node)
 
     def sync_links(self, node: Inode) -> None:
@@ -271,28 +278,30 @@ class Uploader:
         return all(objs.get(k, (0, -1))[1] == node.version for k in self.ns.link_paths(node))
 
     def _add_copy(self, job: CopyJob) -> None:
-        self.copies[job.key()] = job
+        self.copy_jobs[job.key()] = job
 
     def _copy_pending(self, node: Inode) -> bool:
-        return any(ino == node.ino and j.move for (ino, _), j in self.copies.items())
+        return any(ino == node.ino and j.move for (ino, _), j in self.copy_jobs.items())
 
     def _save_copies(self) -> None:
-        self.ns.store.set_meta(COPIES_KEY, json.dumps([vars(j) for j in self.copies.values()]))
+        self.ns.store.set_meta(COPIES_KEY, json.dumps([vars(j) for j in self.copy_jobs.values()]))
 
     def _save_links(self) -> None:
         self.ns.store.set_meta(LINKS_KEY, json.dumps({str(k): v for k, v in self.links.items()}))
 
-    def on_removed(self, node: Inode, path: str) -> None:
+    def removed(self, node: Inode, path: str) -> None:
         """A file was unlinked (or replaced by a rename) at `path`: its last name."""
+        if not node.is_file:
+            return
         self.queue.pop(node.ino, None)
         self.failed.pop(node.ino, None)
         self._unrequest(node.ino)
         with self.ns.store.transaction():
             if node.generation:
                 self._delete_later(path, node.generation)
-            node.generation = 0
-            for key in [k for k in self.copies if k[0] == node.ino]:
-                job = self.copies.pop(key)
+            self.copies.name_gone(node)
+            for key in [k for k in self.copy_jobs if k[0] == node.ino]:
+                job = self.copy_jobs.pop(key)
                 if job.move:
                     self._delete_later(job.src, job.src_gen)  # the copy's source goes too
             for key, (gen, _) in self.links.pop(node.ino, {}).items():
@@ -300,7 +309,7 @@ class Uploader:
             self._save_copies()
             self._save_links()
 
-    def on_changed(self, node: Inode) -> None:
+    def rewriting(self, node: Inode) -> None:
         """A sealed file is being written again: its queued upload waits for the seal."""
         self.queue.pop(node.ino, None)
 
@@ -342,7 +351,7 @@ class Uploader:
         """This host uploads the files it wrote (all of them without peers)."""
         return not self.node_id or not node.writer or node.writer == self.node_id
 
-    def on_remote(self, nodes: list[Inode]) -> None:
+    def remote_changed(self, nodes: list[Inode]) -> None:
         """Changes from other hosts: a step they committed (a marker, a directory
         renamed into place) commits our files in it too; a file they persisted may
         be the last one a marker here waits for."""
@@ -375,6 +384,23 @@ class Uploader:
 
     def wake(self) -> None:
         self._lot.unpark_all()
+
+    def _fetch_then_upload(self, node: Inode) -> None:
+        """`mtcfs persist` of another host's file this host holds no copy of: fetch it
+        first (`fetched` wakes the workers)."""
+        if node.ino not in self.failed:
+            self.events.copy_wanted(node)
+
+    def fetched(self, node: Inode) -> None:
+        if node.ino in self.queue:
+            self._lot.unpark_all()
+
+    def fetch_failed(self, node: Inode, why: str) -> None:
+        if node.ino in self.requested and node.ino in self.queue:
+            # Shown by `mtcfs persist` as failed; asked again, it is tried again.
+            self.failed[node.ino] = f"no copy could be fetched: {why}"
+            log.error("cannot persist %s: no copy could be fetched: %s",
+                      self.ns.path_of(node) if node.linked else node.guid, why)
 
     def _delete_later(self, key: str, generation: int) -> None:
         self.deletes[key] = generation
@@ -414,7 +440,7 @@ class Uploader:
             "inflight_files": len(self.inflight),
             "pending_bytes": max(0, self.pending_bytes()),
             "pending_deletes": len(self.deletes),
-            "pending_copies": len(self.copies),
+            "pending_copies": len(self.copy_jobs),
             "copied_objects": self.stats.copies,
             "uploaded_files": self.stats.files_uploaded,
             "uploaded_bytes": self.stats.bytes_uploaded,
@@ -428,7 +454,15 @@ class Uploader:
         }
 
     def idle(self) -> bool:
-        return not self.queue and not self.inflight and not self.deletes and not self.copies
+        return not self.queue and not self.inflight and not self.deletes and not self.copy_jobs
+
+    def busy(self, node: Inode) -> bool:
+        """Being uploaded now: its RAM copy is being read."""
+        return node.ino in self.inflight
+
+    def settling(self) -> bool:
+        """Uploads pending: they make data evictable."""
+        return not self.idle()
 
     # -- the work ----------------------------------------------------------------------
 
@@ -471,7 +505,7 @@ class Uploader:
                 continue
             if not node.has_data and not self.owns(node):
                 if node.ino in self.requested:
-                    self.fetch(node)  # wakes us when the copy is here
+                    self._fetch_then_upload(node)
                 continue
             if node.dirty:
                 # Being rewritten: the next seal queues it again. (A writer that is
@@ -555,7 +589,7 @@ class Uploader:
                 self._lot.unpark_all()  # a marker may be ready now
 
     def _next_copy(self) -> CopyJob | None:
-        for key, job in self.copies.items():
+        for key, job in self.copy_jobs.items():
             if key in self._copying:
                 continue
             node = self.ns.get(job.ino)
@@ -574,13 +608,13 @@ class Uploader:
                 or (not job.move and job.dst not in self.ns.link_paths(node))):
             # Removed, rewritten or renamed again meanwhile: this copy is moot (a rename
             # queued a new one; a rewrite uploads anew). A moved source still goes.
-            self.copies.pop(job.key(), None)
+            self.copy_jobs.pop(job.key(), None)
             with self.ns.store.transaction():
                 if job.move:
                     self._delete_later(job.src, job.src_gen)
                 self._save_copies()
             if node is not None and node.linked and node.state == CLOSED:
-                self.on_sealed(node)
+                self.sealed(node)
             return
         try:
             info = await trio.to_thread.run_sync(partial(
@@ -594,7 +628,7 @@ class Uploader:
                 log.error("%s", msg)
                 self.stats.conflicts += 1
                 self._record_error(msg)
-                self.copies.pop(job.key(), None)
+                self.copy_jobs.pop(job.key(), None)
                 with self.ns.store.transaction():
                     self._save_copies()
                 return
@@ -603,24 +637,22 @@ class Uploader:
             # The source is gone: upload the data instead (its writer, per policy).
             log.warning("copy %s -> %s: the source is gone; uploading instead", job.src,
                         job.dst)
-            self.copies.pop(job.key(), None)
+            self.copy_jobs.pop(job.key(), None)
             with self.ns.store.transaction():
                 self._save_copies()
             if job.move:
                 node.copy_grace = 0.0
-                self.on_sealed(node)
+                self.sealed(node)
             return
         except (Unavailable, DurableError, OSError) as e:
             self._failed_attempt(f"copy {job.src} to {job.dst}: {e}")
             return
         self._backoff = 0.0
         self.stats.copies += 1
-        self.copies.pop(job.key(), None)
+        self.copy_jobs.pop(job.key(), None)
         with self.ns.store.transaction():
             if job.move:
-                node.generation = info.generation
-                node.persisted_version = job.version
-                self.ns.persist(node)
+                self.copies.persisted(node, info.generation, job.version)
                 self._delete_later(job.src, job.src_gen)
             else:
                 self.links.setdefault(node.ino, {})[job.dst] = [info.generation, job.version]
@@ -629,7 +661,7 @@ class Uploader:
         log.info("copied %s to %s in %s (generation %d)", job.src, job.dst, self.tier.url,
                  info.generation)
         if job.move:
-            self.on_persisted(node)
+            self.events.persisted(node)
             self.sync_links(node)
 
     async def _delete(self, key: str, gen: int) -> None:
@@ -655,7 +687,7 @@ class Uploader:
         version, crc, size, gen = node.version, node.crc32c, node.size, node.generation
         blocks = node.block_crcs
         assert crc is not None
-        path = self.data_path(node.ino)
+        path = self.ram.path(node.ino)
         done = 0
 
         def progress(offset: int, length: int) -> None:
@@ -667,7 +699,7 @@ class Uploader:
             if blocks is not None:  # the chunks' crcs follow from the blocks': no pass
                 chunk, crcs = chunk_crcs_from_blocks(blocks, size)
             else:  # sealed before per-block crcs were kept: one pass
-                fd = os.open(path, os.O_RDONLY)
+                fd = self.ram.open_read(node.ino)
                 try:
                     chunk, crcs = chunk_crcs_of_fd(fd, size)
                 finally:
@@ -735,20 +767,18 @@ class Uploader:
                 # Renamed or removed while uploading: that object is stale.
                 self._delete_later(key, info.generation)
             else:
-                node.generation = info.generation
+                self.copies.persisted(node, info.generation, version)
                 if node.version == version:
-                    node.persisted_version = version
                     self._unrequest(node.ino)
-                self.ns.persist(node)
         log.info("persisted %s (%d bytes, generation %d) in %.2f s", key, size, info.generation,
                  time.monotonic() - t0)
         if still_here:
-            self.on_persisted(node)
+            self.events.persisted(node)
             self.sync_links(node)
         elif node.linked and node.state == CLOSED:
-            self.on_sealed(node)  # renamed while uploading: upload it under its new name
+            self.sealed(node)  # renamed while uploading: upload it under its new name
         if still_here and node.version != version:
-            self.on_sealed(node)
+            self.sealed(node)
 
     def _enqueue_front(self, node: Inode) -> None:
         rest = dict(self.queue)

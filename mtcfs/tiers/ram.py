@@ -78,10 +78,27 @@ class RamTier:
     # -- files -----------------------------------------------------------------
 
     def path(self, ino: int) -> str:
+        """The data file's path: only for a library or a process that opens it itself
+        (an upload's client, a replication worker process); in this process the
+        files are opened here."""
         return os.path.join(self.data_dir, str(ino))
 
     def exists(self, ino: int) -> bool:
         return os.path.exists(self.path(ino))
+
+    def stat(self, ino: int) -> os.stat_result:
+        """The data file's stat (raises FileNotFoundError)."""
+        return os.stat(self.path(ino))
+
+    def open_read(self, ino: int) -> int:
+        """A private read-only fd of the data file (the caller closes it; raises
+        FileNotFoundError): a copy being read (checksummed, uploaded, served)."""
+        return os.open(self.path(ino), os.O_RDONLY | os.O_CLOEXEC)
+
+    def open_fill(self, ino: int) -> int:
+        """A private read/write fd of the data file (the caller closes it): a download
+        filling it, which must not follow the file if it is replaced meanwhile."""
+        return os.open(self.path(ino), os.O_RDWR | os.O_CLOEXEC)
 
     def create(self, ino: int) -> None:
         fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -1,0 +1,183 @@
+"""The bucket's tree, merged into the namespace.
+
+The whole prefix is listed when the daemon starts (before the mount is
+announced live, so a fresh mount over a bucket shows every step at once) and
+again every `refresh` seconds in the background. A refresh adds objects that
+appeared and picks up newer generations of files this node holds only as
+persisted copies; it never removes or overwrites local changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import stat
+import time
+from dataclasses import dataclass
+
+import trio
+
+from mtcfs.events import Listener
+from mtcfs.fs.kernel import KernelCache
+from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
+from mtcfs.lifecycle.copies import Copies
+from mtcfs.tiers.durable import DurableError, DurableTier, ObjectInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REFRESH = 30.0
+NAME_MAX = 255
+
+
+@dataclass
+class Stats:
+    listed_objects: int = 0
+    last_refresh: float = 0.0
+    errors: int = 0
+    last_error: str = ""
+
+
+class BucketListing:
+    def __init__(self, ns: Namespace, tier: DurableTier, copies: Copies, events: Listener,
+                 kernel: KernelCache, refresh: float = DEFAULT_REFRESH) -> None:
+        self.ns = ns
+        self.tier = tier
+        self.copies = copies
+        self.events = events
+        self.kernel = kernel
+        self.refresh = refresh
+        self.stats = Stats()
+
+    # -- the tree ----------------------------------------------------------------
+
+    def listing(self) -> list[ObjectInfo]:
+        """Every object under the prefix (blocking: at start-up, or in a worker thread)."""
+        assert self.tier is not None
+        objects = list(self.tier.list(""))
+        self.stats.listed_objects = len(objects)
+        self.stats.last_refresh = time.time()
+        return objects
+
+    async def load(self, pending_deletes: set[str], full: bool = True) -> int:
+        objects = await trio.to_thread.run_sync(self.listing)
+        return self.merge(objects, pending_deletes, full)
+
+    def merge(self, objects: list[ObjectInfo], pending_deletes: set[str], full: bool) -> int:
+        """Bring the namespace in line with a listing; returns files added or updated."""
+        changed = 0
+        seen: set[int] = set()
+        with self.ns.store.transaction():
+            for obj in objects:
+                if obj.key in pending_deletes or obj.key.endswith("/"):
+                    continue
+                node = self._merge_object(obj)
+                if node is not None:
+                    seen.add(node.ino)
+                    changed += 1
+            if full:
+                self._forget_vanished(seen)
+        return changed
+
+    def _merge_object(self, obj: ObjectInfo) -> Inode | None:
+        parts = [p.encode("utf-8", "surrogateescape") for p in obj.key.split("/")]
+        if any(len(p) > NAME_MAX for p in parts):
+            log.warning("skipping bucket object %s: a name is longer than %d bytes", obj.key,
+                        NAME_MAX)
+            return None
+        d = self.ns.inodes[ROOT]
+        for comp in parts[:-1]:
+            child = self.ns.child(d, comp)
+            if child is None:
+                child = self.ns.new_inode(d, comp, stat.S_IFDIR | 0o755, 0, 0)
+            elif not child.is_dir:
+                log.warning("skipping bucket object %s: %s is a file here", obj.key,
+                            self.ns.path_of(child))
+                return None
+            d = child
+        node = self.ns.child(d, parts[-1])
+        if node is None:
+            node = self.ns.new_inode(d, parts[-1], stat.S_IFREG | 0o644, 0, 0,
+                                     global_id=object_guid(obj))
+            self._take_remote(node, obj)
+            self.ns.persist(node)
+            return node
+        if not node.is_file:
+            log.warning("skipping bucket object %s: a directory has that name here", obj.key)
+            return None
+        if node.generation == obj.generation:
+            return node
+        if node.state == CLOSED and node.crc32c == obj.crc32c and node.size == obj.size:
+            # The same bytes (e.g. our upload landed just before a crash): adopt it.
+            self.copies.in_bucket(node, obj.generation)
+        elif node.persisted and not node.opens:
+            return self._replace(d, parts[-1], node, obj)
+        else:
+            log.warning("bucket object %s differs from the local, unpersisted file: keeping "
+                        "the local one", obj.key)
+            return node
+        self.ns.persist(node)
+        return node
+
+    def _replace(self, d: Inode, name: bytes, old: Inode, obj: ObjectInfo) -> Inode:
+        """A newer object written elsewhere replaces our persisted copy: a new inode
+        (with the writeback cache the kernel trusts its own size of a file it has
+        cached, so only a new file shows the new size)."""
+        node, names = self.ns.replace_inode(old, object_guid(obj))
+        for parent, gone in names:
+            self.kernel.entry(parent.ino, gone)
+        self.events.remote_removed(old)  # its data, its fetch and its inode go
+        version = old.version
+        self._take_remote(node, obj)
+        node.version = version + 1
+        self.copies.in_bucket(node, obj.generation)
+        self.ns.persist(node)
+        return node
+
+    def _take_remote(self, node: Inode, obj: ObjectInfo) -> None:
+        node.state = CLOSED
+        node.size = obj.size
+        node.crc32c = obj.crc32c
+        node.version = max(node.version, 1)
+        node.mtime_ns = node.ctime_ns = int(obj.updated * 1e9)
+        self.copies.elsewhere_only(node)
+        self.copies.in_bucket(node, obj.generation)
+
+    def _forget_vanished(self, seen: set[int]) -> None:
+        """Files we knew as persisted whose objects are gone from the bucket."""
+        for node in list(self.ns.files()):
+            if node.ino in seen or not node.generation or not node.linked:
+                continue
+            self.copies.unpersisted(node)  # ours is now the only copy: persisted again
+            if not (node.has_data or node.opens):
+                log.warning("%s is gone from the bucket and not in RAM: removing it",
+                            self.ns.path_of(node))
+                for parent, name in self.ns.unlink_all(node):
+                    self.kernel.entry(parent.ino, name)
+                self.events.remote_removed(node)
+
+    async def refresh_loop(self, pending_deletes: set[str]) -> None:
+        assert self.tier is not None
+        while True:
+            await trio.sleep(self.refresh)
+            try:
+                await self.load(pending_deletes, full=False)
+            except (DurableError, OSError) as e:
+                self._error(f"listing {self.tier.url}: {e}")
+
+    def _error(self, msg: str) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = msg
+        log.error("%s", msg)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "listed_objects": self.stats.listed_objects,
+            "refresh_seconds": self.refresh,
+            "last_listing_error": self.stats.last_error or None,
+        }
+
+
+def object_guid(obj: ObjectInfo) -> str:
+    """The index id of a file known from the bucket: the same on every host that
+    lists it, so hosts merging their listings agree on one entry."""
+    return "gcs" + hashlib.sha256(f"{obj.key}\0{obj.generation}".encode()).hexdigest()[:29]

@@ -1,0 +1,184 @@
+"""POSIX semantics of `Filesystem`, in-process: names, renames, links, errors,
+attributes, set-id bits. The FUSE suites (test_posix_semantics, test_posix_property,
+pjdfstest) check the same through the kernel."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from mtcfs.fs.filesystem import MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError
+
+from harness import Host
+
+pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
+
+
+async def expect(err: int, coro_or_fn, *args, **kwargs) -> None:
+    with pytest.raises(FsError) as info:
+        result = coro_or_fn(*args, **kwargs)
+        if hasattr(result, "__await__"):
+            await result
+    assert info.value.errno == err, (errno.errorcode[info.value.errno], errno.errorcode[err])
+
+
+async def test_write_read_and_sizes(make_host) -> None:
+    h: Host = await make_host()
+    data = os.urandom(300_000)
+    node = await h.write_file("f", data)
+    assert node.size == len(data)
+    assert await h.read_file("f") == data
+    # O_APPEND writes at the end whatever the offset asked.
+    fh = await h.open("f", os.O_WRONLY | os.O_APPEND)
+    await h.write(fh, 0, b"tail")
+    await h.close(fh)
+    assert await h.read_file("f") == data + b"tail"
+
+
+async def test_names(make_host) -> None:
+    h: Host = await make_host()
+    root = h.node("")
+    await expect(errno.ENAMETOOLONG, h.mkdir, "x" * 256)
+    h.mkdir("x" * 255)
+    await expect(errno.EEXIST, h.mkdir, "x" * 255)
+    await expect(errno.ENOENT, h.node, "nope")
+    await expect(errno.EINVAL, h.fs.mkdir, root.ino, b"a/b", 0o755, 0, 0)
+    await h.write_file("file", b"x")
+    await expect(errno.ENOTDIR, h.fs.lookup, h.node("file").ino, b"sub")
+
+
+async def test_directories(make_host) -> None:
+    h: Host = await make_host()
+    h.makedirs("a/b")
+    await h.write_file("a/b/f", b"1")
+    await expect(errno.ENOTEMPTY, h.rmdir, "a/b")
+    await expect(errno.EISDIR, h.unlink, "a/b")
+    await expect(errno.ENOTDIR, h.rmdir, "a/b/f")
+    h.unlink("a/b/f")
+    h.rmdir("a/b")
+    assert h.listdir("a") == []
+    # A directory handle lists what was there at opendir, minus what went since.
+    for i in range(5):
+        await h.write_file(f"a/{i}", b"")
+    fh = h.fs.opendir(h.node("a"))
+    h.unlink("a/3")
+    names = [n.decode() for _, n, _ in h.fs.readdir(fh, 0)]
+    h.fs.releasedir(fh)
+    assert names == ["0", "1", "2", "4"]
+
+
+async def test_rename_rules(make_host) -> None:
+    h: Host = await make_host()
+    h.makedirs("d/e")
+    await h.write_file("f", b"f")
+    await h.write_file("g", b"g")
+    await expect(errno.EINVAL, h.rename, "d", "d/e/x")  # into itself
+    await expect(errno.EISDIR, h.rename, "f", "d")
+    await expect(errno.ENOTDIR, h.rename, "d", "f")
+    await expect(errno.EEXIST, h.rename, "f", "g", RENAME_NOREPLACE)
+    await expect(errno.ENOENT, h.rename, "f", "nope", RENAME_EXCHANGE)
+    await h.write_file("d/e/x", b"x")
+    h.mkdir("full")
+    await h.write_file("full/y", b"y")
+    await expect(errno.ENOTEMPTY, h.rename, "d", "full")
+    # Over an existing file: the target is replaced, its data gone.
+    await h.rename("f", "g")
+    assert not h.exists("f") and await h.read_file("g") == b"f"
+    # Exchange swaps two names atomically.
+    await h.write_file("f", b"new")
+    await h.rename("f", "g", RENAME_EXCHANGE)
+    assert await h.read_file("f") == b"f" and await h.read_file("g") == b"new"
+    # A directory moves with its tree.
+    await h.rename("d", "full/d2")
+    assert await h.read_file("full/d2/e/x") == b"x"
+
+
+async def test_hard_links(make_host) -> None:
+    h: Host = await make_host()
+    h.mkdir("d")
+    await h.write_file("d/f", b"data")
+    h.link("d/f", "g")
+    assert h.node("g") is h.node("d/f")
+    assert h.node("g").nlink == 2
+    await expect(errno.EPERM, h.link, "d", "d-link")  # no links to directories
+    await expect(errno.EEXIST, h.link, "g", "d/f")
+    h.unlink("d/f")
+    assert h.node("g").nlink == 1 and await h.read_file("g") == b"data"
+    # Writing through one name shows through all.
+    h.link("g", "h")
+    await h.write_file("h", b"other")
+    assert await h.read_file("g") == b"other"
+
+
+async def test_device_nodes_fifos_symlinks(make_host) -> None:
+    h: Host = await make_host()
+    root = h.node("").ino
+    dev = h.fs.mknod(root, b"null", stat.S_IFCHR | 0o600, os.makedev(1, 3), 0, 0)
+    assert stat.S_ISCHR(dev.mode) and dev.rdev == os.makedev(1, 3)
+    fifo = h.fs.mknod(root, b"fifo", stat.S_IFIFO | 0o600, 0, 0, 0)
+    assert stat.S_ISFIFO(fifo.mode)
+    await expect(errno.EINVAL, h.fs.open, fifo, os.O_RDONLY)  # inert: never served as data
+    h.symlink("l", "target/that/does/not/exist")
+    assert h.fs.readlink(h.node("l")) == b"target/that/does/not/exist"
+    await expect(errno.ENAMETOOLONG, h.symlink, "l2", "x" * 4096)
+    reg = h.fs.mknod(root, b"reg", stat.S_IFREG | 0o644, 0, 0, 0)
+    assert reg.size == 0 and h.state("reg")["state"] == "closed"
+
+
+async def test_truncate_and_efbig(make_host) -> None:
+    h: Host = await make_host()
+    data = os.urandom(200_000)
+    await h.write_file("f", data)
+    node = await h.fs.setattr(h.node("f"), size=1000)
+    assert node.size == 1000 and await h.read_file("f") == data[:1000]
+    await h.fs.setattr(h.node("f"), size=5000)  # grows with zeros
+    assert await h.read_file("f") == data[:1000] + bytes(4000)
+    await expect(errno.EFBIG, h.fs.setattr, h.node("f"), size=MAX_FILE_SIZE + 1)
+    fh = await h.open("f", os.O_WRONLY)
+    await expect(errno.EFBIG, h.fs.write, fh, MAX_FILE_SIZE, b"x")
+    await h.close(fh)
+    await expect(errno.EISDIR, h.fs.setattr, h.node(""), size=0)
+
+
+async def test_set_id_bits_cleared_like_linux(make_host) -> None:
+    h: Host = await make_host()
+    await h.write_file("s", b"x")
+    await h.fs.setattr(h.node("s"), mode=0o6755)
+    assert h.mode("s") == 0o6755
+    # A write by an unprivileged opener clears both (group-executable).
+    h.uid = 1000
+    fh = await h.open("s", os.O_WRONLY)
+    await h.write(fh, 0, b"y")
+    await h.close(fh)
+    assert h.mode("s") == 0o755
+    # chown clears them whoever does it (setgid without group-execute marks mandatory
+    # locking and stays), and so does a write.
+    h.uid = 0
+    await h.fs.setattr(h.node("s"), mode=0o6755)
+    await h.fs.setattr(h.node("s"), uid=5)
+    assert h.mode("s") == 0o755
+    await h.fs.setattr(h.node("s"), mode=0o6745)
+    await h.fs.setattr(h.node("s"), gid=5)
+    assert h.mode("s") == 0o2745
+    h.uid = 1000
+    fh = await h.open("s", os.O_WRONLY)
+    await h.write(fh, 0, b"z")
+    await h.close(fh)
+    assert h.mode("s") == 0o2745
+
+
+async def test_xattrs(make_host) -> None:
+    h: Host = await make_host()
+    node = await h.write_file("f", b"x")
+    h.fs.setxattr(node, b"user.k", b"v")
+    assert h.fs.getxattr(node, b"user.k") == b"v"
+    assert h.fs.listxattr(node) == [b"user.k"]  # user.mtcfs.* are virtual, never listed
+    await expect(errno.EPERM, h.fs.setxattr, node, b"user.mtcfs.state", b"x")
+    await expect(errno.EOPNOTSUPP, h.fs.setxattr, node, b"other.k", b"v")
+    await expect(errno.E2BIG, h.fs.setxattr, node, b"user.big", bytes(65537))
+    await expect(errno.ENODATA, h.fs.getxattr, node, b"user.none")
+    h.fs.removexattr(node, b"user.k")
+    await expect(errno.ENODATA, h.fs.removexattr, node, b"user.k")
