@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test bench lint proto clean
+.PHONY: bootstrap demo test test-nofuse bench lint proto clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -13,6 +13,10 @@ demo: bootstrap
 test: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
 	$(PY) -m pytest -q tests
+
+# The in-process layer alone (no FUSE, no /dev/fuse needed): seconds.
+test-nofuse: bootstrap
+	$(PY) -m pytest -q -m nofuse tests/nofuse
 
 bench: bootstrap
 	$(PY) bench/run.py

@@ -375,6 +375,18 @@ def test_status(mnt):
     assert "health" in out and "ok" in out and "node-a" in out
     assert "2.0 GiB" in out and "3.0 MiB" in out  # capacity and used
     assert "1 (1 closed)" in out  # files
+    assert "…" not in out  # piped: as wide as it needs, nothing cut
+
+    # Steps with long names, piped: every column whole.
+    step = mnt.path / ("step_7_" + "x" * 120)
+    step.mkdir()
+    (step / "shard").write_bytes(b"s")
+    (step / "commit_success.txt").write_bytes(b"ok")
+    r = mtcfs("steps", str(mnt.path))
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout and step.name in r.stdout and "complete" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if step.name in line)
+    assert " yes " in row  # complete
 
     # A relative path works too.
     r = mtcfs("status", os.path.relpath(mnt.path), "--json")

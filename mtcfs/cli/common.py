@@ -6,6 +6,7 @@ import sys
 from typing import Any, NoReturn
 
 import click
+from rich.console import Console
 
 from mtcfs import control
 
@@ -25,3 +26,11 @@ def daemon_request(mountpoint: str, op: str, **args: Any) -> dict[str, Any]:
         return control.request(mountpoint, op, **args)
     except control.ControlError as e:
         fail(str(e))
+
+
+def table_console() -> Console:
+    """Where tables are printed: the terminal's width on a terminal; piped into a
+    file or another program, as wide as the table needs (no column cut to `compl…`)."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=1000, no_color=True)

@@ -6,10 +6,9 @@ import json
 import os
 
 import click
-from rich.console import Console
 from rich.table import Table
 
-from mtcfs.cli.common import daemon_request
+from mtcfs.cli.common import daemon_request, table_console
 from mtcfs.sizes import format_size
 
 
@@ -121,4 +120,4 @@ def status(mountpoint: str, as_json: bool) -> None:
         t.add_row("replicas refused", f"{ram['refused']} replicas from peers refused: full")
     if st.get("metrics_url"):
         t.add_row("metrics", st["metrics_url"])
-    Console().print(t)
+    table_console().print(t)

@@ -6,10 +6,9 @@ import json
 import os
 
 import click
-from rich.console import Console
 from rich.table import Table
 
-from mtcfs.cli.common import daemon_request
+from mtcfs.cli.common import daemon_request, table_console
 from mtcfs.sizes import format_size
 
 
@@ -53,7 +52,7 @@ def steps(mountpoint: str, as_json: bool) -> None:
             "yes" if s["persisted"] else f"{s['files_persisted']}/{s['files']}",
             "yes" if s["safe"] else "no",
         )
-    Console().print(t)
+    table_console().print(t)
     newest = r["newest_complete_safe"]
     where = " or ".join(w for w, on in ((f"{r['replicas']} peer copies", r["replicas"]),
                                        ("the durable tier", r["durable"])) if on) or "nowhere"
