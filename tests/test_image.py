@@ -268,6 +268,7 @@ print(json.dumps({"python": platform.python_version(), "pyfuse3": md.version("py
     # The tools the Kubernetes manifests call (the init container: sh, grep,
     # fusermount3, mkdir; the plugin: mount, umount; the probe: test).
     container.sh("command -v sh grep fusermount3 mkdir mount umount test >/dev/null")
+    container.sh("test ! -e /run/secrets/ca-bundle")  # the build's CA bundle stayed out
     # Every part imports: the daemon, the plugin, discovery, the controller, GCS.
     container.sh("python3 -c 'import mtcfs.daemon, mtcfs.csi.server, mtcfs.k8s.controller, "
                  "mtcfs.k8s.discovery, mtcfs.cli.discover, google.cloud.storage'")
