@@ -19,7 +19,12 @@
 # Network steps are retried (apt-get, debootstrap, the whole build). Prints the
 # image's size at the end.
 #
-#   scripts/build_image.sh [--rebuild-base] [--no-cache] [--tag NAME:TAG]
+#   scripts/build_image.sh [--rebuild-base] [--no-cache] [--prune] [--tag NAME:TAG]
+#
+# --prune: afterwards remove every dangling image of buildah's storage: the
+# layers earlier builds left (after --no-cache, --rebuild-base or a change of
+# dependencies), but also the build stage's cached layers, which the image does
+# not contain: the next build redoes the build stage (minutes).
 #
 # Environment: MTCFS_IMAGE (default mtcfs:<version from pyproject.toml>),
 # MTCFS_BASE_MIRROR (default: the mirror apt uses here), MTCFS_CA_BUNDLE (the
@@ -34,8 +39,10 @@ VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -1)
 IMAGE=${MTCFS_IMAGE:-mtcfs:$VERSION}
 REBUILD_BASE=0
 NO_CACHE=()
+PRUNE=0
 while (($#)); do
     case $1 in
+        --prune) PRUNE=1 ;;
         --rebuild-base) REBUILD_BASE=1 ;;
         --no-cache) NO_CACHE=(--no-cache) ;;
         --tag) IMAGE=$2; shift ;;
@@ -215,5 +222,9 @@ current=$(buildah inspect --type image --format '{{.FromImageID}}' "$IMAGE")
 if [ -n "$previous" ] && [ "$previous" != "$current" ] \
         && [ "$(buildah images --format '{{.Name}}' "$previous" 2>/dev/null)" = "<none>" ]; then
     buildah rmi "$previous" >/dev/null 2>&1 && step "removed the image it replaces (${previous:0:12})" || true
+fi
+if ((PRUNE)); then
+    step "removing dangling images"
+    buildah rmi --prune >/dev/null
 fi
 buildah images "$IMAGE"
