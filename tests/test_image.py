@@ -131,12 +131,21 @@ class Background:
                                          start_new_session=True)
 
     def log(self, name: str = "buildah-run") -> str:
+        """All of scratch/<name>.log so far."""
         path = self.scratch / f"{name}.log"
-        return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{self.log(p.stem)}"
+        """The end of every log, for failure messages."""
+        return "\n".join(f"--- {p.name}\n{self.log(p.stem)[-4000:]}"
                          for p in sorted(self.scratch.glob("*.log")))
+
+    def wait_for_log(self, name: str, text: str, timeout: float = 20) -> None:
+        try:
+            wait_until(lambda: text in self.log(name), timeout=timeout, interval=0.05,
+                       what=f"{text!r} in {name}.log")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.logs()}") from None
 
     def pid(self, name: str, timeout: float = 30) -> int:
         """The host pid of process `name` inside (from scratch/<name>.pid)."""
@@ -337,7 +346,8 @@ wait
     assert table[str(mnt)][0] == "fuse.mtcfs"
     assert table[f"{scratch}/ram/data"][0] == "tmpfs"  # the RAM tier's own tmpfs
     assert str(mnt) not in mount_points(os.getpid())  # nothing reached the host
-    assert "data path: passthrough" in bg.log("daemon")  # libfuse 3.17 + the patch, kernel 6.9+
+    # Logged just after the mount is live: libfuse 3.17 + the patch, kernel 6.9+.
+    bg.wait_for_log("daemon", "data path: passthrough")
 
     # Files through the mount, from the host.
     m = inside / str(mnt).lstrip("/")
@@ -385,7 +395,7 @@ wait
     # SIGTERM: the daemon unmounts cleanly, the plugin stops; buildah run ends.
     bg.stop()
     assert bg.proc.returncode == 0, bg.logs()
-    assert f"unmounted {mnt}" in bg.log("daemon"), bg.log("daemon")
+    assert f"unmounted {mnt}" in bg.log("daemon"), bg.logs()
     assert "stopping (published mounts stay)" in bg.log("csi")
     assert not os.listdir(mnt)  # nothing was written below the mount point
     deadline = time.monotonic() + 10
