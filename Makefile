@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test test-nofuse bench lint proto clean
+.PHONY: bootstrap demo test test-nofuse image bench lint proto clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -12,7 +12,15 @@ demo: bootstrap
 
 test: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m 'not image' tests
+
+# The container image mtcfs:<version> (deploy/Dockerfile) built with buildah from a
+# debootstrapped Debian trixie base (scripts/build_image.sh: installs buildah and
+# debootstrap, keeps the base and the build's layers between runs), then its smoke
+# tests (tests/test_image.py).
+image: bootstrap
+	scripts/build_image.sh
+	$(PY) -m pytest -q -m image tests/test_image.py
 
 # The in-process layer alone (no FUSE, no /dev/fuse needed): seconds.
 test-nofuse: bootstrap

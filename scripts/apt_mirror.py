@@ -8,8 +8,12 @@ and /etc/apt/sources.list.d/*.sources (deb822). Security, updates and
 third-party entries use other suites and are skipped. SIGNED-BY is the entry's
 keyring file, if it names one. Exit status 1 if no entry matches.
 
+`--suffix=SUFFIX` looks for the suite `<codename>SUFFIX` instead, e.g.
+`--suffix=-security` for the security mirror (`bookworm-security`).
+
 Used by scripts/build_pyfuse3.sh and bench/passthrough_hp.sh to fetch Debian
-source packages of a newer release from the same mirror.
+source packages of a newer release from the same mirror, and by
+scripts/build_image.sh to debootstrap the image's base from it.
 """
 
 from __future__ import annotations
@@ -91,8 +95,15 @@ def mirror(suite: str, apt: Path = APT) -> tuple[str, str] | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print the Debian mirror apt uses.")
+    parser.add_argument("--suffix", default="",
+                        help="suite suffix, e.g. --suffix=-security for <codename>-security")
+    args = parser.parse_args(argv)
     suite = codename()
+    suite = suite + args.suffix if suite else ""
     found = mirror(suite) if suite else None
     if found is None:
         print(f"apt_mirror: no Debian mirror for suite {suite!r} in {APT}/sources.list*",
