@@ -108,6 +108,7 @@ def ds_ready(api: FakeApiServer, name: str, nodes: int, updated: int | None = No
 def test_cpc_becomes_daemonsets_driver_secret_rbac(api: FakeApiServer, kube: Kube,
                                                    ctl: Controller) -> None:
     created = create_cpc(kube, "pool-a", replicas=2, keepSteps=3, fsync="replicas",
+                         dataPath="fuse",
                          persistPolicy="interval:300")
     uid = created["metadata"]["uid"]
     ctl.reconcile_all()
@@ -129,6 +130,7 @@ def test_cpc_becomes_daemonsets_driver_secret_rbac(api: FakeApiServer, kube: Kub
     assert arg(a, "--replicas") == "2"
     assert arg(a, "--keep-steps") == "3"
     assert arg(a, "--fsync") == "replicas"
+    assert arg(a, "--data-path") == "fuse"
     assert arg(a, "--persist") == "interval:300"
     assert arg(a, "--bucket") == "gs://ckpt-bucket"
     assert arg(a, "--peers-file") == o.PEERS_FILE

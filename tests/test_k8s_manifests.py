@@ -240,6 +240,7 @@ def _broken(**change: Any) -> Obj:
     (_broken(persistPolicy="sometimes"), "does not match"),
     (_broken(persistPolicy="interval:0"), "does not match"),
     (_broken(fsync="never"), "is not one of"),
+    (_broken(dataPath="direct"), "is not one of"),
     (_broken(keepSteps=0), "less than the minimum"),
     (_broken(tolerations=[{"operator": "Maybe"}]), "is not one of"),
     (_broken(peerTokenSecretRef={"key": "t"}), "'name' is a required property"),

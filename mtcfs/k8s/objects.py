@@ -51,6 +51,7 @@ TOKEN_DIR = "/etc/mtcfs/token"
 
 PERSIST_RE = re.compile(r"^(on-close|step|manual|interval:[1-9][0-9]*)$")
 FSYNC_LEVELS = ("local", "replicas", "gcs")
+DATA_PATHS = ("auto", "passthrough", "fuse")
 _QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _QUANTITY_UNITS = {
     None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
@@ -81,6 +82,7 @@ class Settings:
     persist: str = "step"
     keep_steps: int | None = None
     fsync: str = "local"
+    data_path: str = "auto"
     failure_domain_label: str = "topology.kubernetes.io/zone"
     token_secret: str = ""
     token_key: str = "token"
@@ -171,6 +173,9 @@ def settings_from(cpc: Obj, default_image: str) -> Settings:
     fsync = str(spec.get("fsync", "local"))
     if fsync not in FSYNC_LEVELS:
         raise SpecError("InvalidSpec", f"spec.fsync {fsync!r} is not one of {FSYNC_LEVELS}")
+    data_path = str(spec.get("dataPath", "auto"))
+    if data_path not in DATA_PATHS:
+        raise SpecError("InvalidSpec", f"spec.dataPath {data_path!r} is not one of {DATA_PATHS}")
     ref = spec.get("peerTokenSecretRef") or {}
     name = meta["name"]
     return Settings(
@@ -185,6 +190,7 @@ def settings_from(cpc: Obj, default_image: str) -> Settings:
         persist=persist,
         keep_steps=spec.get("keepSteps"),
         fsync=fsync,
+        data_path=data_path,
         failure_domain_label=spec.get("failureDomainLabel", "topology.kubernetes.io/zone"),
         token_secret=ref.get("name") or f"mtcfs-peer-token-{name}",
         token_key=ref.get("key") or "token",
@@ -273,6 +279,7 @@ def daemon_args(s: Settings) -> list[str]:
         "--bucket", s.bucket,
         "--persist", s.persist,
         "--fsync", s.fsync,
+        "--data-path", s.data_path,
         "--metrics-port", str(METRICS_PORT),
         "--log-format", "json",
         "-o", "allow_other",  # training containers do not run as the daemon's user
@@ -348,7 +355,10 @@ def daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
         "resources": {"requests": {"cpu": "500m", "memory": str(s.ram_bytes)}},
         "volumeMounts": [
             {"name": "fuse", "mountPath": "/dev/fuse"},
-            {"name": "ram", "mountPath": HOST_RAM},
+            # Bidirectional: the RAM tier's own tmpfs (passthrough) is mounted by the
+            # daemon inside this path; it must outlive the container, so that a
+            # restarted daemon finds its files (as it does on the host's /dev/shm).
+            {"name": "ram", "mountPath": HOST_RAM, "mountPropagation": "Bidirectional"},
             state_mount,
             {"name": "run", "mountPath": RUN_DIR},
             {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
