@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test test-nofuse image bench lint proto clean
+.PHONY: bootstrap demo test test-nofuse image soak-orbax bench lint proto clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -25,6 +25,12 @@ image: bootstrap
 # The in-process layer alone (no FUSE, no /dev/fuse needed): seconds.
 test-nofuse: bootstrap
 	$(PY) -m pytest -q -m nofuse tests/nofuse
+
+# The multi-host Orbax save/restore (processes swapped) on freshly started mounts,
+# 50 times in a row (make test runs it twice).
+soak-orbax: bootstrap
+	MTCFS_ORBAX_ROUNDS=50 $(PY) -m pytest -q -p no:cacheprovider \
+		"tests/test_commit_safety.py::test_orbax_multihost_save_then_restore_swapped_on_fresh_mounts"
 
 bench: bootstrap
 	$(PY) bench/run.py
