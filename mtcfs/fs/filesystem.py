@@ -569,6 +569,11 @@ class Filesystem(Listener):
         if not node.is_file:
             raise FsError(errno.EINVAL)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable and node.state == SEALING:
+            # Its last writer closed it (through passthrough) and its checksum is not
+            # taken yet (the release may still be on its way): what it wrote is a
+            # version of its own, sealed before this writer may change it.
+            await self.seal(node)
         if flags & os.O_TRUNC and writable:
             self._truncate(node, 0)
         elif node.state == INCOMPLETE:
