@@ -23,6 +23,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import commit
 import datapath
 import durable
 import fsync
@@ -79,6 +80,11 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "training loop: --steps checkpoint steps of --size on 2 peered hosts (3 x --size RAM, "
         "K=1, --persist step, --keep-steps) over fake-gcs-server, vs tmpfs and "
         "google-cloud-storage",
+    ),
+    "commit": (
+        commit.group,
+        "the commit rule's cost per call: fsync, directory fsync and a marker rename on 2 "
+        "peered hosts vs 1 host vs tmpfs",
     ),
     "fsync": (
         fsync.group,
