@@ -25,7 +25,7 @@ import secrets
 import time
 from pathlib import Path
 
-from common import BenchError, Context, KiB, Mount, Row, err, median
+from common import BenchError, Context, KiB, Row, err, median
 from peers import free_ports
 
 CALLS = 200
@@ -95,7 +95,7 @@ def group(ctx: Context) -> list[Row]:
         for t in order:
             f, ds, c = run(targets[t])
             results[t].append((median(f), median(ds), median(c)))
-        err.print("  commit rep {}/{}: ".format(rep + 1, ctx.reps) + ", ".join(
+        err.print(f"  commit rep {rep + 1}/{ctx.reps}: " + ", ".join(
             f"{t} fsync {results[t][-1][0] * 1e3:.2f} ms, commit {results[t][-1][2] * 1e3:.2f} ms"
             for t in names), style="dim")
 
