@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test bench lint proto clean
+.PHONY: bootstrap demo test bench lint proto clean chaos
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -13,6 +13,19 @@ demo: bootstrap
 test: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
 	$(PY) -m pytest -q tests
+
+# The chaos suite (tests/chaos.py): a training loop on three network-namespace hosts
+# with a bucket while daemons are killed, replaced, frozen and cut off and the GCS
+# server is frozen and restarted; then every committed step is read back through
+# every host and from the bucket. Needs root. `make test` runs a short smoke of it.
+CHAOS_MINUTES ?= 5
+CHAOS_SEED ?= 1
+CHAOS_FSYNC ?= local
+CHAOS_ARGS ?=
+
+chaos: bootstrap
+	$(PY) tests/chaos.py --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED) \
+		--fsync $(CHAOS_FSYNC) $(CHAOS_ARGS)
 
 bench: bootstrap
 	$(PY) bench/run.py

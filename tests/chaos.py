@@ -287,7 +287,7 @@ class Daemon:
             tries += 1
             t0 = time.monotonic()
             offset = self.spawn()
-            err = self.wait_live(offset, min(90.0, max(5.0, deadline - time.monotonic())))
+            err = self.wait_live(offset, 90.0)
             if err is None:
                 self.run.journal("mounted", say=None, host=self.node_id, why=why, tries=tries,
                                  seconds=round(time.monotonic() - t0, 2),
@@ -405,6 +405,9 @@ class Chaos:
         self.findings: list[dict] = []
         self.replaced_at: dict[int, list[float]] = {}  # host -> times it was replaced
         self.written_at: dict[tuple[int, int], float] = {}  # (step, host) -> time written
+        # (step, host or -1 for the commit) -> (start, end) of the attempt that succeeded
+        self.write_window: dict[tuple[int, int], tuple[float, float]] = {}
+        self.cuts: dict[int, list[list[float | None]]] = {}  # host -> [start, end] of link cuts
         self.committed: list[int] = []
         self.commit_host: dict[int, int] = {}
         self.attempted: list[int] = []
@@ -597,9 +600,12 @@ class Chaos:
                 time.sleep(duration)
                 d.signal_group(signal.SIGCONT)
             elif kind == "netcut":
+                window: list[float | None] = [time.monotonic(), None]
+                self.cuts.setdefault(d.index, []).append(window)
                 d.host.link_down()
                 time.sleep(duration)
                 d.host.link_up()
+                window[1] = time.monotonic()
             elif kind == "gcs_stop":
                 self.gcs.signal(signal.SIGSTOP)
                 time.sleep(duration)
@@ -689,12 +695,17 @@ class Chaos:
                          and (objs[n]["size"], objs[n]["crc32c"]) != self.expected(step, n)]
                 if missing or wrong:
                     key = f"marker:{d}"
-                    if key not in self.marker_violations:
+                    if key in self.marker_violations:
+                        self.marker_violations[key]["final"] |= final
+                    else:
+                        cut = sorted(n for n in {*missing, *wrong}
+                                     if self.cut_while_writing(step, n))
                         self.marker_violations[key] = {"missing": missing, "wrong": wrong,
-                                                       "final": final}
+                                                       "final": final, "cut_writers": cut}
                         self.finding("marker_incomplete", f"{d}/.metadata is in the bucket but "
-                                     f"the step is not: missing {missing}, wrong {wrong}",
-                                     final=final)
+                                     f"the step is not: missing {missing}, wrong {wrong}"
+                                     + (f"; written while their host was cut off: {cut}"
+                                        if cut else ""), final=final)
 
     def bucket_watch(self) -> None:
         while not self.stop_all.wait(8.0):
@@ -716,10 +727,12 @@ class Chaos:
         tries = 0
         while True:
             tries += 1
+            t0 = time.monotonic()
             res = self.io(["write", d.mp, c.seed, step, h, c.shards, c.shard_bytes],
                           f"step {step} shards of h{h}", h)
             if res["ok"]:
                 self.written_at[(step, h)] = time.monotonic()
+                self.write_window[(step, h)] = (t0, time.monotonic())
                 return True
             self.note_error("write", step, h, res)
             if res["errname"] == "HANG" or self.stop_all.is_set():
@@ -745,10 +758,12 @@ class Chaos:
         h = step % c.hosts
         d = self.daemons[h]
         while True:
+            t0 = time.monotonic()
             res = self.io(["commit", d.mp, c.seed, step, c.hosts, c.shards, c.shard_bytes],
                           f"commit of step {step} on h{h}", h)
             if res["ok"]:
                 self.commit_host[step] = h
+                self.write_window[(step, -1)] = (t0, time.monotonic())
                 self.written_at[(step, -1)] = time.monotonic()
                 self.journal("committed", say=f"step {step} committed on h{h} "
                              f"(rename {res['rename_s']:.2f} s)", step=step, host=f"h{h}",
@@ -866,6 +881,16 @@ class Chaos:
             self.finding("bucket_verify_failed", r.stderr[-500:])
         return [json.loads(ln) for ln in r.stdout.splitlines() if ln.strip()]
 
+    def writer_of(self, step: int, name: str) -> int:
+        return self.commit_host.get(step, -1) if name == cio.MARKER else int(name[2:].split("_")[0])
+
+    def cut_while_writing(self, step: int, name: str) -> bool:
+        """The host that wrote this file had its link cut while it wrote it."""
+        h = self.writer_of(step, name)
+        w = self.write_window.get((step, -1 if name == cio.MARKER else h))
+        return w is not None and any(c0 <= w[1] and (c1 is None or c1 >= w[0])
+                                     for c0, c1 in self.cuts.get(h, []))
+
     def was_replaced_after_write(self, step: int, name: str) -> bool:
         """The writer of this file was replaced (its RAM lost) after writing it."""
         if name == cio.MARKER:
@@ -881,7 +906,9 @@ class Chaos:
         withdrawn_views: dict[int, dict[str, list[str]]] = {}
         for d in self.daemons:
             try:
-                for s in control(d.sock, "steps", timeout=30)["steps"]:
+                steps = control(d.sock, "steps", timeout=30)["steps"]
+                (self.dir / f"steps-{d.node_id}.json").write_text(json.dumps(steps, indent=1))
+                for s in steps:
                     if s["withdrawn"] and s["step"] in steps_info:
                         withdrawn_views.setdefault(s["step"], {})[d.node_id] = s["lost_files"]
             except (OSError, RuntimeError, ValueError) as e:
@@ -889,14 +916,20 @@ class Chaos:
         t0 = time.monotonic()
         for d in self.daemons:
             t1 = time.monotonic()
-            for r in self.read_back(d):
+            lines = self.read_back(d)
+            with open(self.dir / f"readback-{d.node_id}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in lines)
+            for r in lines:
                 if "file" in r:
                     steps_info[r["step"]]["hosts"].setdefault(d.node_id, {})[r["file"]] = r
                 elif "dirs" in r:
                     steps_info[r["step"]].setdefault("dirs", {})[d.node_id] = r["dirs"]
             self.say(f"read back through {d.node_id}: {time.monotonic() - t1:.1f} s")
         t1 = time.monotonic()
-        for r in self.bucket_verify():
+        bucket = self.bucket_verify()
+        with open(self.dir / "readback-bucket.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in bucket)
+        for r in bucket:
             steps_info[r["step"]]["bucket"][r["file"]] = r
         self.say(f"read back from the bucket: {time.monotonic() - t1:.1f} s")
         read_s = time.monotonic() - t0
@@ -907,64 +940,78 @@ class Chaos:
         else:
             self.check_bucket(objs, final=True)
 
-        verified, withdrawn, unexplained = [], [], []
+        verified, withdrawn, unexplained, broken = [], [], [], []
         lost_files: dict[str, list[str]] = {}
         corrupt_files: dict[str, list[str]] = {}
         for step, info in steps_info.items():
-            names = cio.expected_files(c.seed, step, c.hosts, c.shards, c.shard_bytes)
-            dirs = {h: next((k for k, v in ds.items() if isinstance(v, list)), None)
-                    for h, ds in info.get("dirs", {}).items()}
-            is_withdrawn = step in withdrawn_views or any(
-                v and v.endswith(cio.WITHDRAWN) for v in dirs.values())
-            lost_names = {p.split("/", 1)[1] for v in withdrawn_views.get(step, {}).values()
-                          for p in v}
-            good = True
-            for name in names:
-                key = f"{cio.step_dir(step)}/{name}"
-                for where, r in [*((h, f.get(name)) for h, f in info["hosts"].items()),
-                                 ("bucket", info["bucket"].get(name))]:
-                    if where == "bucket" and is_withdrawn:
+            final, hidden = cio.step_dir(step), cio.step_dir(step) + cio.WITHDRAWN
+            states = {h: step_state(ds, final, hidden) for h, ds in info.get("dirs", {}).items()}
+            if len(states) == len(self.daemons) and set(states.values()) == {"committed"}:
+                mode = "committed"
+            elif len(states) == len(self.daemons) and set(states.values()) == {"withdrawn"}:
+                mode = "withdrawn"
+            else:
+                mode = "inconsistent"
+                self.finding("step_inconsistent", f"step {step} is neither committed nor "
+                             f"withdrawn everywhere: {states}")
+            # What mtcfs says it lost (withdrawn steps): their basenames.
+            lost_names = {p.rsplit("/", 1)[1].removesuffix(cio.WITHDRAWN)
+                          for v in withdrawn_views.get(step, {}).values() for p in v}
+            bad = False
+            for name in cio.expected_files(c.seed, step, c.hosts, c.shards, c.shard_bytes):
+                key = f"{final}/{name}"
+                places = [(h, files.get(name) or {"result": "not read"})
+                          for h, files in info["hosts"].items()]
+                if mode != "withdrawn":
+                    places.append(("bucket", info["bucket"].get(name) or {"result": "not read"}))
+                for where, r in places:
+                    at_final = where == "bucket" or r.get("at") == key
+                    if r["result"] == "ok" and (at_final or mode == "withdrawn"):
                         continue
-                    if r is None:
-                        r = {"result": "not read"}
-                    if r["result"] == "ok":
-                        continue
-                    good = False
-                    detail = f"{where}: {r['result']} {r.get('errname', '')} " \
-                             f"{r.get('got', '')}".strip()
+                    detail = (f"{where}: {r['result']} {r.get('errname', '')} "
+                              f"{r.get('got', '')}".strip())
+                    if r.get("at") and not at_final:
+                        detail += f" (found at {r['at']})"
                     if r["result"] == "corrupt":
                         corrupt_files.setdefault(key, []).append(detail)
-                    elif not (is_withdrawn and name in lost_names):
+                        bad = True
+                    elif not (mode == "withdrawn" and name in lost_names):
                         lost_files.setdefault(key, []).append(detail)
+                        bad = True
             if len(info["hosts"]) < len(self.daemons):
-                good = False
-            if is_withdrawn:
+                bad = True
+            if mode == "withdrawn":
                 withdrawn.append(step)
                 why = sorted(lost_names)
-                if c.fsync != "local" or not why or not all(
+                if c.fsync != "local" or not why or bad or not all(
                         self.was_replaced_after_write(step, n) for n in why):
                     unexplained.append(step)
                     self.finding("withdrawn_unexplained",
-                                 f"step {step} withdrawn (lost {why}, dirs {dirs}) with --fsync "
-                                 f"{c.fsync}; replaced hosts: "
+                                 f"step {step} withdrawn (lost {why}) with --fsync {c.fsync}; "
+                                 f"replaced hosts: "
                                  f"{ {f'h{h}': len(t) for h, t in self.replaced_at.items()} }")
-            elif good:
+            elif mode == "committed" and not bad:
                 verified.append(step)
+            else:
+                broken.append(step)
         for key, where in lost_files.items():
             self.finding("lost", f"{key}: {'; '.join(where)}")
         for key, where in corrupt_files.items():
             self.finding("corrupt", f"{key}: {'; '.join(where)}")
         bucket_corrupt = [k for k in self.marker_violations if k.startswith("corrupt:")]
-        markers = [k for k in self.marker_violations if k.startswith("marker:")]
+        markers = {k: v for k, v in self.marker_violations.items() if k.startswith("marker:")}
         return {
             "steps_committed": len(self.committed),
             "verified": len(verified),
             "withdrawn": len(withdrawn),
             "withdrawn_unexplained": len(unexplained),
+            "steps_broken": len(broken),
             "files_lost": len(lost_files),
             "files_corrupt": len(corrupt_files) + len(bucket_corrupt),
             "bad_markers_in_gcs": len(markers),
+            "bad_markers_at_end": sum(1 for v in markers.values() if v.get("final")),
             "withdrawn_steps": withdrawn,
+            "broken_steps": broken,
             "read_back_seconds": round(read_s, 1),
         }
 
@@ -1054,11 +1101,25 @@ class Chaos:
         return result
 
 
+def step_state(dirs: dict[str, Any], final: str, hidden: str) -> str:
+    """A step as one host shows it: committed (its marker under its final name in its
+    directory), withdrawn (both renamed aside) or what else it is."""
+    here = {d: v for d, v in dirs.items() if isinstance(v, list)}
+    if set(here) == {final} and cio.MARKER in here[final]:
+        return "committed"
+    if set(here) == {hidden} and cio.MARKER + cio.WITHDRAWN in here[hidden]:
+        return "withdrawn"
+    return "; ".join(f"{d}: {len(v)} entries"
+                     + (" with marker" if cio.MARKER in v else "")
+                     + (" with hidden marker" if cio.MARKER + cio.WITHDRAWN in v else "")
+                     for d, v in sorted(here.items())) or "absent"
+
+
 def ok_result(r: dict) -> bool:
     return ("steps_committed" in r and r["files_corrupt"] == 0 and r["files_lost"] == 0
             and r["bad_markers_in_gcs"] == 0 and r["withdrawn_unexplained"] == 0
             and r["hangs"] == 0 and r["daemon_crashes"] == 0
-            and r["verified"] + r["withdrawn"] == r["steps_committed"]
+            and r["verified"] + r["withdrawn"] == r["steps_committed"] and not r["steps_broken"]
             and not any(f["kind"] in ("settle_timeout", "runner_error", "startup_hang",
                                       "tmp_uploaded", "corrupt_object", "remount_failed")
                         for f in r["findings"]))
@@ -1070,9 +1131,11 @@ def report(r: dict) -> str:
         ("  verified (every host + bucket)", r.get("verified", "-")),
         ("  withdrawn by mtcfs", f"{r.get('withdrawn', '-')} (unexplained: "
                                  f"{r.get('withdrawn_unexplained', '-')})"),
+        ("  broken (neither)", r.get("steps_broken", "-")),
         ("files lost", r.get("files_lost", "-")),
         ("files corrupt", r.get("files_corrupt", "-")),
-        ("markers in GCS for incomplete steps", r.get("bad_markers_in_gcs", "-")),
+        ("markers in GCS for incomplete steps", f"{r.get('bad_markers_in_gcs', '-')} (still at "
+                                                f"the end: {r.get('bad_markers_at_end', '-')})"),
         ("hangs", r["hangs"]),
         ("daemon crashes", r["daemon_crashes"]),
         ("settle", f"{r.get('settle_seconds', '-')} s"),
@@ -1109,8 +1172,9 @@ def mtcfs_counters(r: dict) -> dict[str, int]:
 
 def summary_json(r: dict) -> str:
     keys = ("ok", "seed", "fsync", "chaos_seconds", "steps_committed", "verified", "withdrawn",
-            "withdrawn_unexplained", "files_lost", "files_corrupt", "bad_markers_in_gcs", "hangs",
-            "daemon_crashes", "faults", "writer_errors", "settle_seconds", "seconds", "work_dir")
+            "withdrawn_unexplained", "steps_broken", "files_lost", "files_corrupt",
+            "bad_markers_in_gcs", "bad_markers_at_end", "hangs", "daemon_crashes", "faults",
+            "writer_errors", "settle_seconds", "seconds", "work_dir")
     out = {k: r.get(k) for k in keys}
     out["findings"] = Counter(f["kind"] for f in r["findings"])
     return "CHAOS_RESULT " + json.dumps(out)

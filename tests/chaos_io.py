@@ -192,9 +192,38 @@ def cmd_commit(mount: str, seed: int, step: int, hosts: int, nshards: int, base:
             "rename_s": round(rename_s, 3)}
 
 
+def read_file(root: int, path: str, want: bytes) -> dict:
+    """Read one file whole and compare it: result ok | corrupt | missing | error."""
+    t0 = time.monotonic()
+    try:
+        fd = os.open(path, os.O_RDONLY, dir_fd=root)
+    except FileNotFoundError:
+        return {"result": "missing"}
+    except OSError as e:
+        return {"result": "error", **_fail("open", e, t0)}
+    out: dict = {"result": "ok"}
+    try:
+        got = bytearray()
+        while chunk := os.read(fd, 4 * CHUNK):
+            got += chunk
+        if bytes(got) != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False))
+                          if a != b), min(len(got), len(want)))
+            out = {"result": "corrupt", "size": len(got), "want_size": len(want),
+                   "first_diff": first, "got": describe(bytes(got))}
+    except OSError as e:
+        out = {"result": "error", **_fail("read", e, t0)}
+    finally:
+        os.close(fd)
+    out["elapsed"] = round(time.monotonic() - t0, 3)
+    return out
+
+
 def cmd_read(mount: str, seed: int, hosts: int, nshards: int, base: int,
              steps: list[int]) -> None:
-    """Read every file of these steps back; one JSON line per file (and per step)."""
+    """Read every file of these steps back; one JSON line per step (its directories'
+    listings) and per file: where it was found (its final path first, then under the
+    withdrawn names) and whether its bytes are right."""
     try:
         root = open_root(mount)
     except OSError as e:
@@ -211,43 +240,18 @@ def cmd_read(mount: str, seed: int, hosts: int, nshards: int, base: int,
                     os.close(dfd)
             except OSError as e:
                 names[d] = {"errno": e.errno, "errname": errno.errorcode.get(e.errno, "")}
-        listing = {d: v for d, v in names.items() if isinstance(v, list)}
         print(json.dumps({"step": step, "dirs": names}), flush=True)
-        where = next(iter(listing), step_dir(step))
         for name in expected_files(seed, step, hosts, nshards, base):
             want = file_bytes(seed, step, name, hosts, nshards, base)
-            candidates = [name]
-            if name == MARKER:
-                candidates.append(MARKER + WITHDRAWN)
-            out = {"step": step, "dir": where, "file": name}
-            t0 = time.monotonic()
-            for cand in candidates:
-                try:
-                    fd = os.open(os.path.join(where, cand), os.O_RDONLY, dir_fd=root)
-                except FileNotFoundError:
-                    out.update(result="missing")
-                    continue
-                except OSError as e:
-                    out.update(result="error", **_fail("open", e, t0))
+            out: dict = {"step": step, "file": name, "result": "missing", "at": None}
+            for d in (step_dir(step), step_dir(step) + WITHDRAWN):
+                for cand in (name, name + WITHDRAWN) if name == MARKER else (name,):
+                    r = read_file(root, f"{d}/{cand}", want)
+                    if r["result"] != "missing":
+                        out.update(r, at=f"{d}/{cand}")
+                        break
+                if out["at"]:
                     break
-                out["as"] = cand
-                try:
-                    got = bytearray()
-                    while chunk := os.read(fd, 4 * CHUNK):
-                        got += chunk
-                    if bytes(got) == want:
-                        out.update(result="ok")
-                    else:
-                        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False))
-                                      if a != b), min(len(got), len(want)))
-                        out.update(result="corrupt", size=len(got), want_size=len(want),
-                                   first_diff=first, got=describe(bytes(got)))
-                except OSError as e:
-                    out.update(result="error", **_fail("read", e, t0))
-                finally:
-                    os.close(fd)
-                break
-            out["elapsed"] = round(time.monotonic() - t0, 3)
             print(json.dumps(out), flush=True)
     os.close(root)
 
