@@ -111,7 +111,7 @@ class Config:
     keep_steps: int = 2
     commit_timeout: float = 10.0
     fsync_timeout: float = 60.0
-    settle_timeout: float = 300.0
+    settle_timeout: float = 180.0
     log_level: str = "info"
     data_path: str = "auto"
     quiet: bool = False

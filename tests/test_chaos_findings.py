@@ -99,3 +99,35 @@ def test_a_partition_leaves_a_healthy_committed_step_intact(tmp_path: Path) -> N
         assert not withdrawn_in_minority, withdrawn_in_minority
     finally:
         ch.teardown()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a replacement host (empty RAM dir, same node id) owns the upload of the files its "
+    "predecessor wrote and did not persist, but has no data: Uploader._upload logs "
+    "'cannot persist ...: its data is no longer in this host's RAM' and gives up, while "
+    "the peer holding a verified replica never uploads it (not the writer); the step's "
+    "marker then waits forever and the committed step never reaches the bucket"))
+def test_a_replaced_writers_replicated_shard_is_persisted(make_cluster, tmp_path: Path) -> None:
+    """Host a writes its shard of step_1 (replicated to a peer), then a is lost and
+    replaced by an empty host with the same node id; b commits the step. The shard has a
+    verified copy on a live host: the step must reach the bucket, marker last."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    c = make_cluster(3, replicas=1, extra=("--bucket", f"file://{bucket}",
+                                           "--persist", "step"))
+    a, b = c["a"], c["b"]
+    (a.path / "step_1").mkdir()
+    shard_a, shard_b = blob(21, 2_000_000), blob(22, 2_000_000)
+    (a.path / "step_1" / "__0_0.distcp").write_bytes(shard_a)
+    wait_until(lambda: a.state("step_1/__0_0.distcp")["replicas"] >= 1, timeout=30,
+               what="a replica of a's shard")
+    wait_until(lambda: (b.path / "step_1" / "__0_0.distcp").exists(), timeout=10)
+    a.kill9()
+    a = c.replace("a")  # empty RAM dir, node id node-a
+    (b.path / "step_1" / "__1_0.distcp").write_bytes(shard_b)
+    (b.path / "step_1" / ".metadata.tmp").write_bytes(b"{}")
+    os.rename(b.path / "step_1" / ".metadata.tmp", b.path / "step_1" / ".metadata")
+    wait_until(lambda: (bucket / "step_1" / ".metadata").exists(), timeout=20,
+               what=f"the step in the bucket (a: {a.status()['durable']['last_error']})")
+    assert (bucket / "step_1" / "__0_0.distcp").read_bytes() == shard_a
+    assert (bucket / "step_1" / "__1_0.distcp").read_bytes() == shard_b
