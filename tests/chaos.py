@@ -940,12 +940,17 @@ class Chaos:
         else:
             self.check_bucket(objs, final=True)
 
-        verified, withdrawn, unexplained, broken = [], [], [], []
+        verified, withdrawn, unexplained, broken, leftovers = [], [], [], [], []
         lost_files: dict[str, list[str]] = {}
         corrupt_files: dict[str, list[str]] = {}
         for step, info in steps_info.items():
             final, hidden = cio.step_dir(step), cio.step_dir(step) + cio.WITHDRAWN
             states = {h: step_state(ds, final, hidden) for h, ds in info.get("dirs", {}).items()}
+            if any(v == "committed+leftover" for v in states.values()):
+                leftovers.append(step)
+                self.finding("leftover", f"step {step}: a stale {hidden}/ holding only "
+                             f"withdrawn names beside the committed step: {states}")
+                states = {h: v.removesuffix("+leftover") for h, v in states.items()}
             if len(states) == len(self.daemons) and set(states.values()) == {"committed"}:
                 mode = "committed"
             elif len(states) == len(self.daemons) and set(states.values()) == {"withdrawn"}:
@@ -1006,6 +1011,7 @@ class Chaos:
             "withdrawn": len(withdrawn),
             "withdrawn_unexplained": len(unexplained),
             "steps_broken": len(broken),
+            "leftover_withdrawn_dirs": len(leftovers),
             "files_lost": len(lost_files),
             "files_corrupt": len(corrupt_files) + len(bucket_corrupt),
             "bad_markers_in_gcs": len(markers),
@@ -1107,6 +1113,11 @@ def step_state(dirs: dict[str, Any], final: str, hidden: str) -> str:
     here = {d: v for d, v in dirs.items() if isinstance(v, list)}
     if set(here) == {final} and cio.MARKER in here[final]:
         return "committed"
+    if set(here) == {final, hidden} and cio.MARKER in here[final] and all(
+            n.endswith(cio.WITHDRAWN) for n in here[hidden]):
+        # Committed, beside a directory that holds nothing but withdrawn names (left
+        # by a withdrawal that was undone): a job resumes from it; counted apart.
+        return "committed+leftover"
     if set(here) == {hidden} and cio.MARKER + cio.WITHDRAWN in here[hidden]:
         return "withdrawn"
     return "; ".join(f"{d}: {len(v)} entries"
@@ -1132,6 +1143,7 @@ def report(r: dict) -> str:
         ("  withdrawn by mtcfs", f"{r.get('withdrawn', '-')} (unexplained: "
                                  f"{r.get('withdrawn_unexplained', '-')})"),
         ("  broken (neither)", r.get("steps_broken", "-")),
+        ("  verified, beside a stale *.mtcfs-withdrawn/", r.get("leftover_withdrawn_dirs", "-")),
         ("files lost", r.get("files_lost", "-")),
         ("files corrupt", r.get("files_corrupt", "-")),
         ("markers in GCS for incomplete steps", f"{r.get('bad_markers_in_gcs', '-')} (still at "
@@ -1172,7 +1184,8 @@ def mtcfs_counters(r: dict) -> dict[str, int]:
 
 def summary_json(r: dict) -> str:
     keys = ("ok", "seed", "fsync", "chaos_seconds", "steps_committed", "verified", "withdrawn",
-            "withdrawn_unexplained", "steps_broken", "files_lost", "files_corrupt",
+            "withdrawn_unexplained", "steps_broken", "leftover_withdrawn_dirs", "files_lost",
+            "files_corrupt",
             "bad_markers_in_gcs", "bad_markers_at_end", "hangs", "daemon_crashes", "faults",
             "writer_errors", "settle_seconds", "seconds", "work_dir")
     out = {k: r.get(k) for k in keys}
