@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test test-nofuse image soak-orbax bench lint proto clean
+.PHONY: bootstrap demo test test-nofuse image soak-orbax chaos bench lint proto clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -12,7 +12,7 @@ demo: bootstrap
 
 test: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
-	$(PY) -m pytest -q -m 'not image' tests
+	$(PY) -m pytest -q -m 'not image and not chaos' tests
 
 # The container image mtcfs:<version> (deploy/Dockerfile) built with buildah from a
 # debootstrapped Debian trixie base (scripts/build_image.sh: installs buildah and
@@ -31,6 +31,19 @@ test-nofuse: bootstrap
 soak-orbax: bootstrap
 	MTCFS_ORBAX_ROUNDS=50 $(PY) -m pytest -q -p no:cacheprovider \
 		"tests/test_commit_safety.py::test_orbax_multihost_save_then_restore_swapped_on_fresh_mounts"
+
+# The chaos suite (tests/support/chaos.py): a training loop on three network-namespace hosts
+# with a bucket while daemons are killed, replaced, frozen and cut off and the GCS
+# server is frozen and restarted; then every committed step is read back through
+# every host and from the bucket. Needs root. `make test` runs a short smoke of it.
+CHAOS_MINUTES ?= 5
+CHAOS_SEED ?= 1
+CHAOS_FSYNC ?= local
+CHAOS_ARGS ?=
+
+chaos: bootstrap
+	$(PY) tests/support/chaos.py --minutes $(CHAOS_MINUTES) --seed $(CHAOS_SEED) \
+		--fsync $(CHAOS_FSYNC) $(CHAOS_ARGS)
 
 bench: bootstrap
 	$(PY) bench/run.py

@@ -34,6 +34,10 @@ from rich.text import Text
 from mtcfs.config import format_size, mount_entry, process_alive
 
 BENCH_DIR = Path(__file__).resolve().parent
+# The benchmarks share their GCS server, Kubernetes API server and netns hosts with
+# the tests: tests/support, imported as `support`.
+if str(BENCH_DIR.parent / "tests") not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR.parent / "tests"))
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30

@@ -1,6 +1,6 @@
 """The durable tier (GCS) beside its references, all on one local GCS server.
 
-One fake-gcs-server (tests/gcs_server.py, filesystem backend with its root in
+One fake-gcs-server (tests/support/gcs_server.py, filesystem backend with its root in
 /dev/shm, so no disk is involved) serves both sides of every comparison:
 
 1. upload of a closed file: mtcfs (`--persist manual`), timed from the persist
@@ -25,7 +25,6 @@ Scratch.defer, so it is stopped after an error or Ctrl-C too.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import os
 import shutil
@@ -34,11 +33,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from common import (
-    BENCH_DIR,
     BenchError,
     Context,
     MiB,
@@ -57,21 +54,12 @@ from ramtier import _size
 from mtcfs import control
 from mtcfs.config import mount_entry
 
+from support.gcs_server import GcsServer
+
 BUCKET = "mtcfs-bench"
 POLL = 0.025  # seconds between progress polls
 RCLONE_REMOTE = "benchgcs"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _gcs_server_module() -> ModuleType:
-    """tests/gcs_server.py, loaded by path: the tests and the bench share it."""
-    path = BENCH_DIR.parent / "tests" / "gcs_server.py"
-    spec = importlib.util.spec_from_file_location("mtcfs_bench_gcs_server", path)
-    if spec is None or spec.loader is None:
-        raise BenchError(f"cannot load {path}")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 
@@ -89,7 +77,7 @@ class Gcs:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        self.server = _gcs_server_module().GcsServer("filesystem", workdir=workdir)
+        self.server = GcsServer("filesystem", workdir=workdir)
         self.server.start()
         self.server.create_bucket(BUCKET)
         self.url = self.server.url

@@ -3,7 +3,7 @@
 Three pairs of peered daemons on loopback run side by side, one pair per
 level: hosts `<level>-a` and `<level>-b`, `--listen 127.0.0.1:P --peers ...
 --token-file F --replicas 1 --fsync <level>`, both over one fake-gcs-server
-(tests/gcs_server.py, filesystem backend in /dev/shm) with `--bucket
+(tests/support/gcs_server.py, filesystem backend in /dev/shm) with `--bucket
 gs://mtcfs-bench/fsync-<level> --persist manual`: nothing is uploaded unless
 an fsync asks for it. The trainer writes on host a. The reference is a plain
 directory on the same tmpfs, with the same fsync calls.

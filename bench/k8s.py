@@ -1,5 +1,5 @@
 """The `k8s` group: how long the controller takes to roll out a changed
-CheckpointConfiguration, against the in-memory API server of tests/k8s_api.py
+CheckpointConfiguration, against the in-memory API server of tests/support/k8s_api.py
 (no real API server: the figures are the controller's own cost plus loopback
 HTTP, not a cluster's latency).
 
@@ -13,20 +13,16 @@ HTTP, not a cluster's latency).
 from __future__ import annotations
 
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from common import Context, Row, err
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from mtcfs.k8s.controller import CPCS, Controller
+from mtcfs.k8s.kube import Kube, api_client_for
 
-from mtcfs.k8s.controller import CPCS, Controller  # noqa: E402
-from mtcfs.k8s.kube import Kube, api_client_for  # noqa: E402
-
-from k8s_api import FakeApiServer, fake_api  # noqa: E402
+from support.k8s_api import FakeApiServer, fake_api
 
 NS = "mtcfs-system"
 

@@ -17,7 +17,7 @@ import pytest
 
 from mtcfs.config import mount_entry
 
-from conftest import force_unmount, mtcfs
+from support.mounts import force_unmount, mtcfs
 
 MOUNT_OPTIONS = (
     "--ram-dir", "--ram-size", "--node-id", "--listen", "--peers", "--peers-file",

@@ -16,7 +16,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from conftest import BOTH_DATA_PATHS
+from support.mounts import BOTH_DATA_PATHS
 
 
 @pytest.fixture(params=BOTH_DATA_PATHS)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MtcfsMount, blob, crc_of, force_unmount, free_port, mtcfs, wait_until
+from support.mounts import MtcfsMount, blob, crc_of, force_unmount, free_port, mtcfs, wait_until
 
 ORBAX_ROUNDS = int(os.environ.get("MTCFS_ORBAX_ROUNDS", "2"))
 

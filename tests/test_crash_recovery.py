@@ -26,7 +26,7 @@ import pytest
 from mtcfs import control
 from mtcfs.config import mount_entry
 
-from conftest import BOTH_DATA_PATHS, data_files, wait_until
+from support.mounts import BOTH_DATA_PATHS, data_files, wait_until
 
 
 @pytest.fixture(params=BOTH_DATA_PATHS)

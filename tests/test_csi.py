@@ -31,7 +31,7 @@ from mtcfs.csi.pods import JOBSET_LABEL
 from mtcfs.csi.v1 import csi_pb2 as pb
 from mtcfs.csi.v1 import csi_pb2_grpc as rpc
 
-from conftest import MTCFS, MtcfsMount, mtcfs, wait_until
+from support.mounts import MTCFS, MtcfsMount, mtcfs, wait_until
 
 NS = "csi.storage.k8s.io/pod.namespace"
 POD = "csi.storage.k8s.io/pod.name"

@@ -39,8 +39,8 @@ from mtcfs.tiers.durable.base import RangeWriter, parallel_download
 from mtcfs.tiers.durable.gcs import GcsTier
 from mtcfs.tiers.durable.localdir import XATTR_META, LocalDirTier
 
-from gcs_server import GcsServer, closed_port, free_port
-from link_proxy import LinkProxy
+from support.gcs_server import GcsServer, closed_port, free_port
+from support.link_proxy import LinkProxy
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -45,7 +45,7 @@ from mtcfs.csi import DRIVER_NAME
 from mtcfs.csi.v1 import csi_pb2 as pb
 from mtcfs.csi.v1 import csi_pb2_grpc as rpc
 
-from conftest import wait_until
+from support.mounts import wait_until
 
 BUILDAH = shutil.which("buildah")
 IMAGE = os.environ.get("MTCFS_IMAGE", f"mtcfs:{__version__}")

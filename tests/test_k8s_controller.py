@@ -1,7 +1,7 @@
 """The CheckpointConfiguration controller, leader election and peer discovery.
 
 No real Kubernetes API server runs here: every test talks, through the official
-client over HTTP, to the in-memory API server of tests/k8s_api.py (objects,
+client over HTTP, to the in-memory API server of tests/support/k8s_api.py (objects,
 resourceVersions, finalizers, status subresource, watch; no workload
 controllers, so tests set a DaemonSet's status themselves, as the DaemonSet
 controller would).
@@ -30,7 +30,7 @@ from mtcfs.k8s.controller import CPCS, Controller
 from mtcfs.k8s.kube import Kube, api_client_for
 from mtcfs.k8s.leader import LeaderElector
 
-from k8s_api import FakeApiServer, fake_api
+from support.k8s_api import FakeApiServer, fake_api
 
 NS = "mtcfs-system"
 G = "mtcfs.dev"

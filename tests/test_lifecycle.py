@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import blob, crc_of, free_port, mtcfs, wait_until
+from support.mounts import blob, crc_of, free_port, mtcfs, wait_until
 
 MiB = 1 << 20
 
@@ -498,7 +498,7 @@ def test_status_and_steps_show_lifecycle(make_mount, tmp_path):
 
 
 def mtcfs_cmd() -> list[str]:
-    from conftest import MTCFS
+    from support.mounts import MTCFS
 
     return list(MTCFS)
 

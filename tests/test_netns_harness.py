@@ -1,4 +1,4 @@
-"""The network-namespace harness (tests/netns.py) itself: reachability, faults,
+"""The network-namespace harness (tests/support/netns.py) itself: reachability, faults,
 clean-up, and that mounts made inside a host are visible to the test process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from netns import (  # noqa: F401 - cluster_factory is a fixture
+from support.netns import (  # noqa: F401 - cluster_factory is a fixture
     NETNS_DIR,
     Cluster,
     Host,

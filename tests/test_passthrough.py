@@ -22,7 +22,7 @@ import pytest
 from mtcfs import control
 from mtcfs.fs.passthrough import unavailable
 
-from conftest import MtcfsMount, blob, mtcfs, wait_until
+from support.mounts import MtcfsMount, blob, mtcfs, wait_until
 
 MiB = 1 << 20
 

@@ -36,8 +36,8 @@ from mtcfs.config import mount_entry
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 
-from conftest import MtcfsMount, force_unmount, mtcfs, unmount_under
-from gcs_server import closed_port, free_port
+from support.gcs_server import closed_port, free_port
+from support.mounts import MtcfsMount, force_unmount, mtcfs, unmount_under
 
 MiB = 1 << 20
 Code = grpc.StatusCode

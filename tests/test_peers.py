@@ -28,7 +28,7 @@ import pytest
 from mtcfs import control
 from mtcfs.peer import placement
 
-from conftest import MtcfsMount, PeerCluster, blob, crc_of, data_files, mtcfs, wait_until
+from support.mounts import MtcfsMount, PeerCluster, blob, crc_of, data_files, mtcfs, wait_until
 
 MiB = 1 << 20
 

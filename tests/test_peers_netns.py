@@ -1,5 +1,5 @@
 """The peer tier across real network faults: every host is a network namespace
-(tests/netns.py) running one foreground `mtcfs mount` that listens on its own
+(tests/support/netns.py) running one foreground `mtcfs mount` that listens on its own
 address, port 7000. Links are cut (link_down), packets dropped one way
 (nftables), daemons killed with -9 in the middle of a restore, a fake GCS
 server runs in a namespace of its own.
@@ -32,9 +32,9 @@ import pytest
 from mtcfs import control
 from mtcfs.config import mount_entry
 
-from conftest import blob, crc_of, force_unmount, wait_until
-from gcs_server import fake_gcs_binary
-from netns import (  # noqa: F401 - cluster_factory is a fixture
+from support.gcs_server import fake_gcs_binary
+from support.mounts import blob, crc_of, force_unmount, wait_until
+from support.netns import (  # noqa: F401 - cluster_factory is a fixture
     Cluster,
     Host,
     cluster_factory,

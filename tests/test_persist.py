@@ -31,8 +31,8 @@ from mtcfs import control
 from mtcfs.config import mount_entry
 from mtcfs.tiers.durable.localdir import LocalDirTier
 
-from conftest import MtcfsMount, mtcfs, wait_until
-from gcs_server import GcsServer, closed_port
+from support.gcs_server import GcsServer, closed_port
+from support.mounts import MtcfsMount, mtcfs, wait_until
 
 MiB = 1 << 20
 BACKENDS = ["gs", "file"]

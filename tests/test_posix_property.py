@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from conftest import BOTH_DATA_PATHS
+from support.mounts import BOTH_DATA_PATHS
 
 
 @pytest.fixture(params=BOTH_DATA_PATHS)

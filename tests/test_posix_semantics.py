@@ -25,7 +25,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from conftest import BOTH_DATA_PATHS, mtcfs
+from support.mounts import BOTH_DATA_PATHS, mtcfs
 
 
 @pytest.fixture(params=BOTH_DATA_PATHS)

@@ -1,6 +1,6 @@
 """The patched pyfuse3's FUSE passthrough (scripts/patches/pyfuse3-passthrough.patch).
 
-A tiny pyfuse3 file system (tests/passthrough_fs.py, a subprocess) backs its
+A tiny pyfuse3 file system (tests/support/passthrough_fs.py, a subprocess) backs its
 files with files on tmpfs and opens them with a backing id: reads, writes and
 mmap then go to the backing file without READ/WRITE requests to the daemon.
 
@@ -30,19 +30,19 @@ import pytest
 
 from mtcfs.config import mount_entry
 
-from conftest import blob, crc_of, force_unmount, wait_until
+from support.mounts import blob, crc_of, force_unmount, wait_until
 
 pyfuse3 = pytest.importorskip("pyfuse3")
 if not hasattr(pyfuse3, "backing_open"):
     pytest.skip("pyfuse3 without the passthrough patch (scripts/build_pyfuse3.sh did not run "
                 "or fell back to stock pyfuse3)", allow_module_level=True)
 
-FS = Path(__file__).with_name("passthrough_fs.py")
+FS = Path(__file__).parent / "support" / "passthrough_fs.py"
 MiB = 1 << 20
 
 
 class PtFs:
-    """One tests/passthrough_fs.py daemon and its mount."""
+    """One tests/support/passthrough_fs.py daemon and its mount."""
 
     def __init__(self, mountpoint: Path, backing: Path, passthrough: bool = True) -> None:
         self.path = mountpoint

@@ -38,9 +38,9 @@ from mtcfs.tiers.durable import (
 )
 from mtcfs.tiers.durable.gcs import GcsTier
 
-from conftest import MtcfsMount, mtcfs, wipe_ram_dir
-from gcs_server import GcsServer, free_port
-from link_proxy import LinkProxy
+from support.gcs_server import GcsServer, free_port
+from support.link_proxy import LinkProxy
+from support.mounts import MtcfsMount, mtcfs, wipe_ram_dir
 
 MiB = 1 << 20
 CHUNK = 16 * MiB  # the per-chunk crc32c granularity of uploads up to 8 GiB

@@ -6,7 +6,7 @@ import google_crc32c
 
 from mtcfs.config import mount_entry
 
-from conftest import mtcfs
+from support.mounts import mtcfs
 
 
 def test_write_read_state_status_umount(mnt):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import blob, mtcfs, wait_until
+from support.mounts import blob, mtcfs, wait_until
 
 N = int(os.environ.get("MTCFS_VISIBILITY_ROUNDS", "100"))
 

@@ -24,7 +24,7 @@ from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.passthrough import Passthrough
 from mtcfs.meta.store import MetaStore
 
-from harness import Host
+from support.inprocess import Host
 
 
 class MakeHost:

@@ -14,7 +14,7 @@ import trio
 
 from mtcfs.fs.filesystem import FsError
 
-from harness import Host
+from support.inprocess import Host
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 

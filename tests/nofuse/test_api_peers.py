@@ -13,7 +13,7 @@ import google_crc32c
 import pytest
 import trio
 
-from harness import Host
+from support.inprocess import Host
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 

@@ -12,7 +12,7 @@ import pytest
 
 from mtcfs.fs.filesystem import MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError
 
-from harness import Host
+from support.inprocess import Host
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 

@@ -12,7 +12,7 @@ import pytest
 from mtcfs.checksums import BLOCK, block_crcs_of_fd
 from mtcfs.fs.filesystem import FsError
 
-from harness import Host
+from support.inprocess import Host
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 

@@ -7,7 +7,7 @@ released on the last release) and handed to the kernel in FileInfo.backing_id.
 Run it as a subprocess, never in the test process (a blocking call on a mount
 from the thread that serves it deadlocks):
 
-    python tests/passthrough_fs.py MOUNTPOINT BACKING_DIR [--no-passthrough]
+    python tests/support/passthrough_fs.py MOUNTPOINT BACKING_DIR [--no-passthrough]
 
 --no-passthrough: the Operations class does not ask for passthrough; opens try
 backing_open anyway, record the error, and fall back to ordinary opens.
