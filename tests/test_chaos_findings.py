@@ -17,15 +17,11 @@ from support.mounts import blob, wait_until
 from support.netns import netns_unavailable
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "upload ownership follows the last host that changed a file: PeerIndex.changed() "
-    "stamps writer = this node on any local change (a rename included) and "
-    "Uploader.owns() is writer == node_id, so after another host renames a file its "
-    "writer stops uploading it and the renamer, without the data, never does: nothing "
-    "is queued, no error, the file is never persisted"))
 def test_a_file_renamed_by_another_host_is_persisted(make_cluster, tmp_path: Path) -> None:
     """Host a writes x.tmp (a temporary name: never uploaded); a host that holds no copy
-    renames it to x. x must be uploaded (by a, or by anyone who can)."""
+    renames it to x. x must be uploaded (by a, or by anyone who can). It was not: upload
+    ownership followed the index stamp's writer, which a rename elsewhere takes over, so
+    neither host uploaded it; the node that sealed a version (`author`) uploads it now."""
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     c = make_cluster(3, replicas=1, extra=("--bucket", f"file://{bucket}",

@@ -41,7 +41,7 @@ class Msg:
 
     file: str
     version: int
-    writer: str
+    author: str
     holders: list[str]
     persisted_version: int
     dropped: list[str] = field(default_factory=list)
@@ -82,7 +82,7 @@ class Cluster(RuleBasedStateMachine):
 
     def broadcast(self, src: str, f: str, dropped: tuple[str, ...] = ()) -> None:
         v = self.views[src][f]
-        msg = Msg(f, v.version, v.writer, list(v.holders), v.persisted_version, list(dropped))
+        msg = Msg(f, v.version, v.author, list(v.holders), v.persisted_version, list(dropped))
         for h in HOSTS:
             if h != src and h in self.live:
                 self.inbox[h].append(copy.deepcopy(msg))
@@ -94,7 +94,7 @@ class Cluster(RuleBasedStateMachine):
         v = self.views[host][m.file]
         if m.version > v.version:
             assert self.data[host].get(m.file) != m.version  # a replica brings its entry
-            v.version, v.writer = m.version, m.writer
+            v.version, v.author = m.version, m.author
             self.copies(host).take_version(v, m.holders, m.persisted_version, 0, fresh=True)
         elif m.version == v.version:
             self.copies(host).merge(v, m.holders, m.dropped, m.persisted_version, 0)
@@ -115,7 +115,7 @@ class Cluster(RuleBasedStateMachine):
     @rule(f=st.sampled_from(FILES), to=st.sampled_from(HOSTS))
     def replicate(self, f: str, to: str) -> None:
         target = to
-        writers = [h for h in self.live if self.views[h][f].writer == h
+        writers = [h for h in self.live if self.views[h][f].author == h
                    and self.data[h].get(f) == self.version[f]]
         if not writers or target not in self.live or target in writers:
             return
@@ -127,7 +127,7 @@ class Cluster(RuleBasedStateMachine):
         wv = self.views[writer][f]
         # The replica carries the writer's entry; the receiver stores and verifies it,
         # the writer counts it.
-        tv.version, tv.writer = wv.version, writer
+        tv.version, tv.author = wv.version, writer
         self.copies(target).take_version(tv, wv.holders, wv.persisted_version, 0,
                                          fresh=True)
         self.copies(target).received(tv)
@@ -147,7 +147,7 @@ class Cluster(RuleBasedStateMachine):
 
     @rule(f=st.sampled_from(FILES))
     def upload(self, f: str) -> None:
-        writers = [h for h in self.live if self.views[h][f].writer == h
+        writers = [h for h in self.live if self.views[h][f].author == h
                    and self.data[h].get(f) == self.version[f]]
         if not writers:
             return
@@ -226,7 +226,7 @@ class ClusterDurable(Cluster):
     def own_data_kept_until_persisted(self) -> None:
         """With a bucket, the writer's copy stays until the upload (which reads it)."""
         for f in FILES:
-            writers = [h for h in HOSTS if self.views[h][f].writer == h
+            writers = [h for h in HOSTS if self.views[h][f].author == h
                        and self.views[h][f].version == self.version[f]]
             for w in writers:
                 if w in self.live and self.bucket[f] != self.version[f]:

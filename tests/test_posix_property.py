@@ -1,21 +1,44 @@
 """Model-based test: mtcfs must behave like tmpfs.
 
 A hypothesis state machine applies the same random sequence of POSIX calls to
-an mtcfs mount and to a plain directory on tmpfs, and compares every result
-(return value or errno) and, after every step, the whole tree: names, types,
-modes, nlink, file sizes and contents, and user.* extended attributes.
+an mtcfs mount and to a tmpfs mounted `nodev,nosuid` like mtcfs mounts are,
+and compares every result (return value or errno) and, after every step, the
+whole tree: names, types, modes, owners, nlink, which names share an inode
+(hard links), device numbers, file sizes and contents (of files beyond 1 MiB:
+every range that holds data on tmpfs, and both ends), and user.* extended
+attributes.
 
-Not compared, by design: timestamps, directory st_size (mtcfs reports 0), and
-the virtual `user.mtcfs.*` attributes, which only mtcfs has.
+Calls are made by root and by a second user (uid/gid 65534, no other groups,
+through a helper process that keeps running): permission errors, sticky
+directories, hard-link protection and the clearing of set-id bits on write,
+truncate and chown are the kernel's and mtcfs's together, and must come out as
+on tmpfs.
+
+Not compared, by design: timestamps, directory st_size (mtcfs reports 0), the
+virtual `user.mtcfs.*` attributes, which only mtcfs has, and st_blocks. One
+documented difference is encoded explicitly: mtcfs keeps files up to
+MAX_FILE_SIZE (1 TiB); making one larger (truncate, ftruncate, a write past
+the limit) fails with EFBIG where tmpfs succeeds (a write may instead be cut
+short at the limit). The reference is then put back as it was, and nothing
+else may differ.
+
+Known mtcfs bugs (KNOWN_BUGS) are not triggered by default, so that the run
+checks everything else; MTCFS_POSIX_KNOWN_BUGS=1 triggers them too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import json
 import os
+import select
 import shutil
 import stat
+import subprocess
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +58,9 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
+from mtcfs import control
+from mtcfs.fs.filesystem import MAX_FILE_SIZE
 
 from support.mounts import BOTH_DATA_PATHS
 
@@ -61,6 +87,33 @@ def renameat2(src: str, dst: str, flags: int) -> None:
         raise OSError(err, os.strerror(err), src, None, dst)
 
 
+# The second user: no supplementary groups, so "in the file's group" means gid 65534.
+USER = 65534
+SETID = stat.S_ISUID | stat.S_ISGID
+
+# mtcfs bugs the comparison found (see the xfail tests in test_posix_semantics.py).
+# While listed, the model does not make the calls that trigger them (counted as
+# "(known bug, not run)"); remove an entry once the bug is fixed.
+KNOWN_BUGS = {
+    "chown-keeps-setid": "chown(f, -1, -1) of a set-user-ID file leaves S_ISUID (and a "
+                         "group-executable S_ISGID); Linux clears them on every chown",
+    "sgid-kept-for-non-member": "a write, truncate or chown by a user outside the file's group "
+                                "leaves S_ISGID without group-execute; Linux clears it",
+    "o-trunc-keeps-setid": "open(O_TRUNC) by an unprivileged user leaves set-id bits",
+    "passthrough-write-keeps-setid": "passthrough: an unprivileged write leaves set-id bits "
+                                     "when the file is open with passthrough (by a reader, "
+                                     "or a writer opened before the bits were set)",
+    "write-past-max": "a write past MAX_FILE_SIZE succeeds (passthrough: the file grows "
+                      "beyond it; fuse: close() fails with EIO and the data is lost)",
+    "writeback-kills-setid": "fuse: the kernel writes cached pages back through any writable "
+                             "handle of the file; mtcfs clears set-id bits when that handle's "
+                             "opener is unprivileged, though root wrote the data",
+    "passthrough-seal-race": "passthrough: a file opened and closed read-only while the "
+                             "release of its last writer checksums it, then truncated: EIO "
+                             "(internal error), and the file stays `sealing` for good",
+}
+
+
 # A small pool of names, so that operations collide: files a/b/c, dirs d1/d2,
 # nested up to two levels. Any op may hit any name (a file where a directory
 # is expected, and so on); the bias only makes the useful cases frequent.
@@ -69,8 +122,9 @@ FILE_NAMES = ("a", "b", "c")
 DIR_NAMES = ("d1", "d2")
 
 
-# Directories (None) come before what they contain.
-INITIAL_TREE: tuple[tuple[str, bytes | None], ...] = (
+# Directories (None) come before what they contain; ("chr", dev), ("blk", dev),
+# ("fifo", 0) and ("sock", 0) are made by mknod, ("link", path) is a hard link.
+INITIAL_TREE: tuple[tuple[str, bytes | tuple[str, Any] | None], ...] = (
     ("d1", None),
     ("d2", None),
     ("d1/d2", None),
@@ -85,7 +139,20 @@ INITIAL_TREE: tuple[tuple[str, bytes | None], ...] = (
     ("d1/d2/b", b"bravo"),
     ("d2/d1/c", b"charlie"),
     ("d1/d2/d1/a", b"deep"),
+    ("d2/a", ("chr", os.makedev(1, 3))),
+    ("d1/b", ("fifo", 0)),
+    ("d2/d1/b", ("blk", os.makedev(8, 1))),
+    ("d1/d2/c", ("sock", 0)),
+    ("c", ("link", "a")),
+    ("d2/c", ("link", "d1/c")),
 )
+# Owners and modes the initial entries may be given ((uid, gid, mode); None: as
+# created by root), so that the second user meets its own files, world-writable
+# and sticky directories and set-id files from the first step.
+INITIAL_DIR_PERMS = (None, None, (0, 0, 0o1777), (USER, USER, 0o755), (0, 0, 0o777),
+                     (USER, USER, 0o1777), (0, USER, 0o2775), (0, 0, 0o700))
+INITIAL_FILE_PERMS = (None, None, (USER, USER, 0o644), (0, 0, 0o666), (0, 0, 0o4666),
+                      (USER, USER, 0o6755), (0, 0, 0o2666), (0, USER, 0o2664))
 
 
 def _join(parent: str, name: str) -> str:
@@ -99,6 +166,15 @@ offsets = st.one_of(
     st.sampled_from((0, 1, 4095, 4096, 4097, 65536, 131072 - 1, 200_000)),
     st.integers(0, 300_000),
 )
+# Sizes and offsets near and past mtcfs's limit (sparse on both sides). Files near
+# 1 TiB are few: mtcfs checksums a file at every close, ~50 ms for one that large.
+big_sizes = st.sampled_from(((1 << 32) + 1, MAX_FILE_SIZE - 4096, MAX_FILE_SIZE,
+                             MAX_FILE_SIZE + 1, MAX_FILE_SIZE + 4096, 1 << 41,
+                             999_999_999_999_999, MAX_FILE_SIZE + 1, 1 << 41, (1 << 63) - 1))
+big_offsets = st.sampled_from(((1 << 32) - 3, (1 << 33) + 4095, (1 << 32) - 3,
+                               MAX_FILE_SIZE - 70_000, MAX_FILE_SIZE - 5, MAX_FILE_SIZE,
+                               MAX_FILE_SIZE + 4096))
+any_offsets = st.one_of(offsets, offsets, offsets, big_offsets)
 payloads = st.one_of(
     st.binary(max_size=64),
     st.binary(min_size=1, max_size=8192),
@@ -106,14 +182,36 @@ payloads = st.one_of(
         lambda t: (t[0] * (t[1] // len(t[0]) + 1))[: t[1]]
     ),
 )
-file_modes = st.sampled_from((0o644, 0o600, 0o755, 0o000, 0o4755, 0o2644, 0o1777))
+file_modes = st.sampled_from((0o644, 0o600, 0o755, 0o000, 0o4755, 0o2644, 0o1777, 0o666,
+                              0o4666, 0o2666, 0o6777, 0o2745))
 dir_modes = st.sampled_from((0o755, 0o700, 0o777, 0o1777, 0o2755, 0o000))
+# chmod of directories: world-writable (sticky or not) often, for the second user.
+chmod_dir_modes = st.sampled_from((0o755, 0o700, 0o777, 0o1777, 0o1777, 0o2775, 0o3777,
+                                   0o1733, 0o000))
+owners = st.sampled_from((-1, 0, USER))
+user_owners = st.sampled_from((-1, USER, USER, 0))
 xattr_names = st.sampled_from(("user.x", "user.y", "user.long.attribute.name"))
 xattr_values = st.binary(max_size=64)
 xattr_flags = st.sampled_from((0, 0, os.XATTR_CREATE, os.XATTR_REPLACE))
 rename_flags = st.sampled_from((0, 0, RENAME_NOREPLACE, RENAME_EXCHANGE))
 open_flags = st.sampled_from((os.O_RDWR, os.O_RDWR | os.O_APPEND, os.O_RDONLY,
                               os.O_WRONLY | os.O_TRUNC, os.O_RDWR | os.O_CREAT))
+node_types = st.sampled_from((stat.S_IFCHR, stat.S_IFBLK, stat.S_IFIFO, stat.S_IFSOCK,
+                              stat.S_IFREG, 0))
+node_modes = st.sampled_from((0o644, 0o600, 0o666, 0o4755, 0o2755, 0o1777))
+devices = st.sampled_from((os.makedev(1, 3), os.makedev(8, 1), os.makedev(0, 0),
+                           os.makedev(4095, (1 << 20) - 1), os.makedev(1, 3), os.makedev(8, 1),
+                           os.makedev(4096, 0)))
+user_open_flags = st.sampled_from((os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC, os.O_RDONLY,
+                                   os.O_WRONLY, os.O_RDWR | os.O_CREAT, os.O_RDWR | os.O_TRUNC,
+                                   os.O_WRONLY | os.O_APPEND))
+user_fd_flags = st.sampled_from((os.O_WRONLY, os.O_RDWR, os.O_RDWR | os.O_CREAT, os.O_RDONLY,
+                                 os.O_WRONLY | os.O_APPEND, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                 os.O_RDWR | os.O_TRUNC))
+user_create_modes = st.sampled_from((0o644, 0o666, 0o600, 0o4755, 0o2755, 0o2644))
+user_chmod_modes = st.sampled_from((0o644, 0o666, 0o4755, 0o2755, 0o6777, 0o2775, 0o1777,
+                                    0o777))
 
 Outcome = tuple[str, Any]
 
@@ -129,14 +227,64 @@ def attempt(fn: Callable[[], Any]) -> Outcome:
         return ("error", errno.errorcode.get(e.errno, e.errno) if e.errno else repr(e))
 
 
-def _read_all(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+WHOLE = 1 << 20  # files up to this size are compared whole
+EDGE = 1 << 16  # of larger files: their first and last EDGE bytes, and every data range
 
 
-def snapshot(root: str) -> dict[str, tuple]:
-    """Everything POSIX-visible that must match between the two trees."""
+def data_ranges(path: str, size: int) -> list[tuple[int, int]] | None:
+    """What to compare of a regular file: all of it (None), or, beyond WHOLE bytes,
+    both ends and the ranges that hold data on this (tmpfs) side (SEEK_DATA/HOLE)."""
+    if size <= WHOLE:
+        return None
+    out = [(0, EDGE)]
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        pos = 0
+        while pos < size and len(out) < 64:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:
+                    break
+                raise
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            out.append((start, min(end, start + WHOLE)))
+            pos = end
+    finally:
+        os.close(fd)
+    out.append((size - EDGE, size))
+    return out
+
+
+def read_ranges(path: str, ranges: list[tuple[int, int]] | None) -> bytes | tuple:
+    """The file's content (ranges None: all of it, but never more than 2 * WHOLE bytes),
+    or (offset, bytes) of each range."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if ranges is None:
+            chunks, pos = [], 0
+            while pos <= 2 * WHOLE:  # to the end, whatever the size said
+                b = os.pread(fd, WHOLE, pos)
+                if not b:
+                    break
+                chunks.append(b)
+                pos += len(b)
+            return b"".join(chunks)
+        return tuple((start, os.pread(fd, end - start, start)) for start, end in ranges)
+    finally:
+        os.close(fd)
+
+
+Ranges = dict[str, list[tuple[int, int]] | None]
+
+
+def snapshot(root: str, ranges: Ranges | None = None) -> tuple[dict[str, tuple], Ranges]:
+    """Everything POSIX-visible that must match between the two trees. `ranges`: the
+    ranges of large files to compare (the reference's; None: take them from this
+    tree). Returns the snapshot and the ranges used."""
     out: dict[str, tuple] = {}
+    used: Ranges = {}
+    by_ino: dict[int, list[str]] = {}
 
     def xattrs(p: str) -> dict[str, bytes]:
         names = os.listxattr(p, follow_symlinks=False)
@@ -150,21 +298,42 @@ def snapshot(root: str) -> dict[str, tuple]:
             p = os.path.join(root, r)
             s = os.lstat(p)
             mode = oct(stat.S_IMODE(s.st_mode))
+            common = (mode, f"nlink={s.st_nlink}", f"owner={s.st_uid}:{s.st_gid}")
             if stat.S_ISDIR(s.st_mode):
-                out[r] = ("dir", mode, f"nlink={s.st_nlink}", xattrs(p))
+                out[r] = ("dir", *common, xattrs(p))
                 walk(r)
-            elif stat.S_ISREG(s.st_mode):
-                out[r] = ("file", mode, f"nlink={s.st_nlink}", f"size={s.st_size}", xattrs(p),
-                          _read_all(p))
+                continue
+            by_ino.setdefault(s.st_ino, []).append(r)
+            if stat.S_ISREG(s.st_mode):
+                if ranges is None:
+                    want = data_ranges(p, s.st_size)
+                elif r in ranges:
+                    want = ranges[r]
+                else:  # (not a file on the other side)
+                    want = None if s.st_size <= WHOLE else [(0, EDGE), (s.st_size - EDGE,
+                                                                        s.st_size)]
+                used[r] = want
+                out[r] = ("file", *common, f"size={s.st_size}", xattrs(p),
+                          read_ranges(p, want))
             elif stat.S_ISLNK(s.st_mode):
-                out[r] = ("symlink", f"size={s.st_size}", os.readlink(p))
+                out[r] = ("symlink", f"owner={s.st_uid}:{s.st_gid}", f"size={s.st_size}",
+                          os.readlink(p))
             else:
-                out[r] = ("other", oct(s.st_mode))
+                kind = {stat.S_IFCHR: "chr", stat.S_IFBLK: "blk", stat.S_IFIFO: "fifo",
+                        stat.S_IFSOCK: "sock"}.get(stat.S_IFMT(s.st_mode),
+                                                   oct(stat.S_IFMT(s.st_mode)))
+                rdev = f"rdev={os.major(s.st_rdev)}:{os.minor(s.st_rdev)}"
+                out[r] = (kind, *common, rdev, f"size={s.st_size}")  # (no user.* xattrs)
 
     root_st = os.stat(root)
-    out["."] = ("root", f"nlink={root_st.st_nlink}")
+    out["."] = ("root", oct(stat.S_IMODE(root_st.st_mode)), f"nlink={root_st.st_nlink}",
+                f"owner={root_st.st_uid}:{root_st.st_gid}")
     walk("")
-    return out
+    # Inode numbers differ between the two trees: compare which names share one.
+    for names in by_ino.values():
+        for r in names:
+            out[r] = (*out[r], f"same inode as {sorted(set(names) - {r})}")
+    return out, used
 
 
 def describe_diff(got: dict[str, tuple], want: dict[str, tuple]) -> str:
@@ -180,20 +349,32 @@ def describe_diff(got: dict[str, tuple], want: dict[str, tuple]) -> str:
             if a == b:
                 continue
             if isinstance(a, bytes) and isinstance(b, bytes):
-                first = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]),
-                             min(len(a), len(b)))
-                lines.append(f"  {path}: content differs (len mtcfs={len(a)} tmpfs={len(b)}, "
-                             f"first difference at offset {first}: "
-                             f"mtcfs={a[first:first + 16]!r} tmpfs={b[first:first + 16]!r})")
+                lines.append(f"  {path}: content differs: {_bytes_diff(a, b)}")
+            elif isinstance(a, tuple) and isinstance(b, tuple):
+                for (sa, a1), (sb, b1) in zip(a, b, strict=False):
+                    if (sa, a1) != (sb, b1):
+                        lines.append(f"  {path}: content from offset {sa} differs: "
+                                     f"{_bytes_diff(a1, b1)}")
+                if len(a) != len(b):
+                    lines.append(f"  {path}: {len(a)} ranges vs {len(b)}")
             else:
                 lines.append(f"  {path}: field {i}: mtcfs={a!r} tmpfs={b!r}")
+        if len(g) != len(w):
+            lines.append(f"  {path}: mtcfs={_short(g)} tmpfs={_short(w)}")
     return "\n".join(lines)
+
+
+def _bytes_diff(a: bytes, b: bytes) -> str:
+    first = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    return (f"len mtcfs={len(a)} tmpfs={len(b)}, first difference at {first}: "
+            f"mtcfs={a[first:first + 16]!r} tmpfs={b[first:first + 16]!r}")
 
 
 def _short(entry: tuple | None) -> str:
     if entry is None:
         return "<missing>"
-    return repr(tuple(f"<{len(x)} bytes>" if isinstance(x, bytes) else x for x in entry))
+    return repr(tuple(f"<{len(x)} bytes>" if isinstance(x, bytes)
+                      else "<ranges>" if isinstance(x, tuple) else x for x in entry))
 
 
 def clear_dir(root: str) -> None:
@@ -205,11 +386,176 @@ def clear_dir(root: str) -> None:
             os.unlink(p)
 
 
-class Pair:
-    """The same open file on both sides."""
+def _stat(path: str, follow: bool = True) -> os.stat_result | None:
+    try:
+        return os.stat(path, follow_symlinks=follow)
+    except OSError:
+        return None
 
-    def __init__(self, fd_m: int, fd_r: int, desc: str) -> None:
-        self.fd_m, self.fd_r, self.desc = fd_m, fd_r, desc
+
+def _sgid_for_non_member(s: os.stat_result | None) -> bool:
+    """Set-group-ID without group-execute, of a group the second user is not in: Linux
+    clears it when that user writes, truncates or chowns the file."""
+    return (s is not None and stat.S_ISREG(s.st_mode) and bool(s.st_mode & stat.S_ISGID)
+            and not s.st_mode & stat.S_IXGRP and s.st_gid != USER)
+
+
+def _setid_file(s: os.stat_result | None) -> bool:
+    return s is not None and stat.S_ISREG(s.st_mode) and bool(s.st_mode & SETID)
+
+
+def _chown_bug(s: os.stat_result | None, uid: int, gid: int, by_user: bool) -> str | None:
+    """The known bug a chown of this (a non-directory of any type) would run into."""
+    if s is None or stat.S_ISDIR(s.st_mode):
+        return None
+    if uid == gid == -1 and (s.st_mode & stat.S_ISUID or s.st_mode & stat.S_ISGID
+                             and s.st_mode & stat.S_IXGRP):
+        return "chown-keeps-setid"
+    if (by_user and s.st_mode & stat.S_ISGID and not s.st_mode & stat.S_IXGRP
+            and s.st_gid != USER):
+        return "sgid-kept-for-non-member"
+    return None
+
+
+# -- the second user ------------------------------------------------------------------------
+
+# Runs as uid/gid 65534 under the system python (the venv's may not be reachable by
+# that uid). Inherits a directory fd of each tree (the paths above them need not be
+# searchable); each request ([op, args] as a JSON line) is run on mtcfs, then on the
+# reference, and answered with both outcomes.
+_HELPER = r"""
+import ctypes, errno, json, os, sys
+
+roots = [int(sys.argv[1]), int(sys.argv[2])]
+MAX = int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+fds = {}  # (handle, side) -> fd
+
+
+def rename(side, src, dst, flags):
+    if libc.renameat2(-100, os.fsencode(src), -100, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def open_close(side, path, flags, mode):
+    os.close(os.open(path, flags | os.O_NONBLOCK, mode))
+
+
+def write(side, path, off, data):
+    # off < 0: appends (O_APPEND); returns the count and the position after.
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | (os.O_APPEND if off < 0 else 0))
+    try:
+        buf = bytes.fromhex(data)
+        n = os.write(fd, buf) if off < 0 else os.pwrite(fd, buf, off)
+        return [n, os.lseek(fd, 0, os.SEEK_CUR)] if off < 0 else n
+    finally:
+        os.close(fd)
+
+
+def fopen(side, h, path, flags, mode):
+    fds[h, side] = os.open(path, flags | os.O_NONBLOCK, mode)
+
+
+def fwrite(side, h, data):
+    n = os.write(fds[h, side], bytes.fromhex(data))
+    return [n, os.lseek(fds[h, side], 0, os.SEEK_CUR)]
+
+
+def fclose(side, h):
+    os.close(fds.pop((h, side)))
+
+
+def fstat(side, h):
+    s = os.fstat(fds[h, side])
+    return [s.st_mode, s.st_gid, s.st_size, os.lseek(fds[h, side], 0, os.SEEK_CUR)
+            if s.st_mode & 0o170000 == 0o100000 else 0, s.st_ino]
+
+
+OPS = {
+    "open": open_close, "write": write, "fopen": fopen, "fwrite": fwrite, "fclose": fclose,
+    "fstat": fstat,
+    "ftruncate": lambda side, h, size: os.ftruncate(fds[h, side], size),
+    "fsync": lambda side, h: os.fsync(fds[h, side]),
+    "truncate": lambda side, path, size: os.truncate(path, size),
+    "unlink": lambda side, path: os.unlink(path),
+    "rmdir": lambda side, path: os.rmdir(path),
+    "mkdir": lambda side, path, mode: os.mkdir(path, mode),
+    "rename": rename,
+    "link": lambda side, src, dst: os.link(src, dst),
+    "symlink": lambda side, target, path: os.symlink(target, path),
+    "mknod": lambda side, path, mode, dev: os.mknod(path, mode, dev),
+    "chmod": lambda side, path, mode: os.chmod(path, mode),
+    "chown": lambda side, path, uid, gid: os.chown(path, uid, gid),
+}
+
+for line in sys.stdin:
+    op, args = json.loads(line)
+    out = []
+    for side in (0, 1):
+        os.fchdir(roots[side])
+        try:
+            out.append(["ok", OPS[op](side, *args)])
+        except OSError as e:
+            out.append(["error", errno.errorcode.get(e.errno, str(e.errno))])
+        except KeyError:  # a handle that is not open
+            out.append(["error", "EBADF"])
+    os.chdir("/")
+    print(json.dumps(out), flush=True)
+"""
+
+
+class SecondUser:
+    """The helper process, for the whole test (started once: a few ms per call)."""
+
+    def __init__(self, mnt_root: str, ref_root: str) -> None:
+        self.dir_fds = [os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in (mnt_root, ref_root)]
+        python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+        self.proc = subprocess.Popen(
+            [python, "-I", "-c", _HELPER, *map(str, self.dir_fds), str(MAX_FILE_SIZE)],
+            user=USER, group=USER, extra_groups=[], pass_fds=self.dir_fds, cwd="/",
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.next_handle = 0
+
+    def __call__(self, op: str, *args: Any) -> tuple[Outcome, Outcome]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([op, args]) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"the second user's helper did not answer {op}{args} "
+                               f"(exit status {self.proc.poll()})")
+        got, want = json.loads(line)
+
+        def outcome(o: list) -> Outcome:
+            value = o[1]
+            return (o[0], tuple(value) if isinstance(value, list) else value)
+
+        return outcome(got), outcome(want)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in self.dir_fds:
+            os.close(fd)
+
+
+class Pair:
+    """The same open file on both sides (fds of this process, or handles of the
+    second user's helper)."""
+
+    def __init__(self, fd_m: int, fd_r: int, desc: str, flags: int = 0, path: str = "") -> None:
+        self.fd_m, self.fd_r, self.desc, self.flags = fd_m, fd_r, desc, flags
+        self.path = path  # (its name when it was opened)
         self.open = True
 
     def __repr__(self) -> str:
@@ -218,22 +564,39 @@ class Pair:
 
 class PosixModel(RuleBasedStateMachine):
     fds = Bundle("fds")
+    user_fds = Bundle("user_fds")
 
-    def __init__(self, mnt_root: str, ref_root: str) -> None:
+    def __init__(self, mnt_root: str, ref_root: str, user: SecondUser,
+                 data_path: str) -> None:
         super().__init__()
         self.m = mnt_root
         self.r = ref_root
+        self.user = user
+        self.data_path = data_path
+        self.known_bugs = set() if os.environ.get("MTCFS_POSIX_KNOWN_BUGS") else set(KNOWN_BUGS)
         self.pairs: list[Pair] = []
+        self.user_pairs: list[Pair] = []
         self.failed = False
+        self.closed_writer = True  # a writer of a file on mtcfs may have been closed
         clear_dir(self.m)
         clear_dir(self.r)
 
     # -- helpers -------------------------------------------------------------
 
-    def both(self, desc: str, fn: Callable[[str], Any]) -> Outcome:
-        """Run fn(root) on mtcfs and on tmpfs; both outcomes must be equal."""
+    def both(self, desc: str, fn: Callable[[str], Any], past_max: bool = False,
+             undo: Callable[[], None] | None = None) -> Outcome:
+        """Run fn(root) on mtcfs and on tmpfs; both outcomes must be equal. past_max: the
+        call makes a file larger than MAX_FILE_SIZE where it succeeds: mtcfs must fail
+        with EFBIG (the documented difference), and undo() puts the reference back."""
         got = attempt(lambda: fn(self.m))
         want = attempt(lambda: fn(self.r))
+        if past_max and want[0] == "ok":
+            if got == ("error", "EFBIG") and undo is not None:
+                undo()
+            self.check(got == ("error", "EFBIG"),
+                       f"{desc}: mtcfs -> {got!r}, expected EFBIG (tmpfs -> {want!r})")
+            self._count(desc, ("error", "EFBIG (tmpfs: ok)"))
+            return got
         self.check(got == want, f"{desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
         self._count(desc, got)
         return got
@@ -249,6 +612,43 @@ class PosixModel(RuleBasedStateMachine):
         self._count("fd " + desc, got)
         return got
 
+    def as_user(self, key: str, desc: str, op: str, *args: Any,
+                watch: str | None = None) -> Outcome:
+        """The second user's call on both sides. key: what COVERAGE counts it as; watch:
+        a path whose set-id bits are watched (counted when the call clears them)."""
+        before = _stat(os.path.join(self.r, watch)) if watch is not None else None
+        self.closed_writer |= op in ("open", "write", "fclose")
+        got, want = self.user(op, *args)
+        self.check(got == want, f"as uid {USER}: {desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
+        self._count(key, got)
+        if key.endswith("[sticky]"):
+            self._count(key.removesuffix("[sticky]"), got)  # (counted as both)
+        if before is not None:
+            self._count_setid_cleared(key, before, _stat(os.path.join(self.r, watch)))
+        return got
+
+    @staticmethod
+    def _count_setid_cleared(key: str, before: os.stat_result | None,
+                             after: os.stat_result | None) -> None:
+        if (before is not None and after is not None and before.st_ino == after.st_ino
+                and before.st_mode & SETID & ~after.st_mode):
+            COVERAGE[(key, "cleared set-id")] += 1
+
+    def sticky_tag(self, *paths: str) -> str:
+        """'[sticky]' when the directory holding one of the paths is sticky."""
+        for p in paths:
+            s = _stat(os.path.join(self.r, os.path.dirname(p)))
+            if s is not None and s.st_mode & stat.S_ISVTX:
+                return "[sticky]"
+        return ""
+
+    def avoid(self, bug: str, trigger: bool) -> bool:
+        """Whether to skip a call that would trigger a known mtcfs bug."""
+        if trigger and bug in self.known_bugs:
+            COVERAGE[("(known bug, not run)", bug)] += 1
+            return True
+        return False
+
     def check(self, ok: bool, msg: str) -> None:
         if not ok:
             self.failed = True
@@ -257,19 +657,39 @@ class PosixModel(RuleBasedStateMachine):
     # -- set-up ------------------------------------------------------------------
 
     @initialize(keep=st.lists(st.booleans(), min_size=len(INITIAL_TREE),
-                              max_size=len(INITIAL_TREE)))
-    def populate(self, keep: list[bool]) -> None:
+                              max_size=len(INITIAL_TREE)),
+                perms=st.lists(st.integers(0, 7), min_size=len(INITIAL_TREE),
+                               max_size=len(INITIAL_TREE)))
+    def populate(self, keep: list[bool], perms: list[int]) -> None:
         """Start from a random part of a tree that uses most of the name pool,
-        so that operations meet existing files and directories."""
+        so that operations meet existing files and directories, with some owned
+        by the second user, world-writable, sticky or set-id."""
         for root in (self.m, self.r):
-            for (path, content), wanted in zip(INITIAL_TREE, keep, strict=True):
+            for (path, content), wanted, perm in zip(INITIAL_TREE, keep, perms, strict=True):
                 p = os.path.join(root, path)
                 if not wanted or not os.path.isdir(os.path.dirname(p)):
                     continue
                 if content is None:
                     os.mkdir(p)
-                else:
+                    owner_mode = INITIAL_DIR_PERMS[perm]
+                elif isinstance(content, bytes):
                     Path(p).write_bytes(content)
+                    owner_mode = INITIAL_FILE_PERMS[perm]
+                elif content[0] == "link":
+                    if os.path.exists(os.path.join(root, content[1])):
+                        os.link(os.path.join(root, content[1]), p)
+                    continue
+                else:
+                    kind = {"chr": stat.S_IFCHR, "blk": stat.S_IFBLK, "fifo": stat.S_IFIFO,
+                            "sock": stat.S_IFSOCK}[content[0]]
+                    os.mknod(p, kind | 0o666, content[1])
+                    owner_mode = INITIAL_FILE_PERMS[perm]
+                if owner_mode is not None:
+                    os.chown(p, owner_mode[0], owner_mode[1])
+                    os.chmod(p, owner_mode[2])
+                if perm % 3 == 1 and not stat.S_ISLNK(os.lstat(p).st_mode):
+                    with contextlib.suppress(OSError):  # (not on special files)
+                        os.setxattr(p, "user.x", path.encode())
 
     # -- choosing names ------------------------------------------------------------
 
@@ -299,22 +719,78 @@ class PosixModel(RuleBasedStateMachine):
             return self.pick(data, "any", label)
         return data.draw(pool, label=label)
 
+    def pick_name(self, data: st.DataObject, kind: str, label: str = "path") -> str:
+        """A name of the pool, mostly in an existing directory (new, or taken: EEXIST)."""
+        names = [_join(d, n) for d in ("", *self.existing("dir"))
+                 for n in (FILE_NAMES if kind == "file" else DIR_NAMES)]
+        free = [n for n in names if not os.path.lexists(os.path.join(self.r, n))]
+        pool = file_paths if kind == "file" else dir_paths
+        return data.draw(st.one_of(st.sampled_from(names), *[st.sampled_from(free)] * bool(free),
+                                   pool), label=label)
+
+    def _user_writable(self, rel: str, want_dir: bool) -> bool:
+        """Whether the second user may write `rel` (a directory: make and remove names)."""
+        st_ = _stat(os.path.join(self.r, rel))
+        if st_ is None or stat.S_ISDIR(st_.st_mode) != want_dir:
+            return False
+        return bool(st_.st_mode & stat.S_IWOTH
+                    or (st_.st_uid == USER and st_.st_mode & stat.S_IWUSR))
+
+    def pick_for_user(self, data: st.DataObject, kind: str, label: str = "path",
+                      prefer: str = "in writable dir") -> str:
+        """Like pick, but biased to where the second user's calls do something: names in
+        directories it may write (prefer "in writable dir"), files it may write
+        ("writable"), what it owns ("owned"), or new names in directories it may write
+        ("new")."""
+        existing = self.existing(kind)
+        if prefer == "new":  # (mostly names not taken)
+            dirs = ["", *self.existing("dir")]
+            cands = [_join(d, n) for d in dirs if self._user_writable(d, True)
+                     for n in (DIR_NAMES if kind == "dir" else FILE_NAMES)]
+            cands = [c for c in cands if not os.path.lexists(os.path.join(self.r, c))] * 3 + cands
+        elif prefer == "writable":  # (set-id files first)
+            cands = [p for p in existing if self._user_writable(p, False)]
+            cands += [p for p in cands if _setid_file(_stat(os.path.join(self.r, p)))] * 2
+        elif prefer == "owned":  # (set-id files first)
+            cands = [p for p in existing
+                     if (s := _stat(os.path.join(self.r, p), False)) and s.st_uid == USER]
+            setid = [p for p in cands if _setid_file(_stat(os.path.join(self.r, p), False))]
+            cands = setid * 2 + cands
+        else:
+            cands = [p for p in existing if self._user_writable(os.path.dirname(p), True)]
+        if not cands:
+            return self.pick(data, kind, label)
+        return data.draw(st.one_of(st.sampled_from(cands), st.sampled_from(cands),
+                                   st.sampled_from(cands), st.just(None)),
+                         label=label) or self.pick(data, kind, label)
+
     # -- namespace ---------------------------------------------------------------
+    # (Every open is O_NONBLOCK: a name may be a FIFO, which would block otherwise.)
 
     @rule(path=file_paths, mode=file_modes, exclusive=st.booleans())
     def create(self, path: str, mode: int, exclusive: bool) -> None:
-        flags = os.O_CREAT | os.O_WRONLY | (os.O_EXCL if exclusive else os.O_TRUNC)
+        flags = os.O_CREAT | os.O_WRONLY | os.O_NONBLOCK | (os.O_EXCL if exclusive
+                                                            else os.O_TRUNC)
 
         def op(root: str) -> None:
             os.close(os.open(os.path.join(root, path), flags, mode))
 
         self.both(f"open({path!r}, O_CREAT|{'O_EXCL' if exclusive else 'O_TRUNC'}, "
                   f"{mode:o})", op)
+        self.closed_writer = True
 
     @rule(path=dir_paths | file_paths, mode=dir_modes)
     def mkdir(self, path: str, mode: int) -> None:
         self.both(f"mkdir({path!r}, {mode:o})", lambda root: os.mkdir(os.path.join(root, path),
                                                                      mode))
+
+    @rule(data=st.data(), kind=node_types, mode=node_modes, dev=devices)
+    def mknod(self, data: st.DataObject, kind: int, mode: int, dev: int) -> None:
+        # Device numbers: ordinary ones, 0:0, the largest the kernel encodes, and one
+        # past it (EINVAL). Regular files too (kind S_IFREG, or 0).
+        path = self.pick_name(data, data.draw(st.sampled_from(("file", "dir"))))
+        self.both(f"mknod({path!r}, {kind | mode:o}, {os.major(dev)}:{os.minor(dev)})",
+                  lambda root: os.mknod(os.path.join(root, path), kind | mode, dev))
 
     @rule(path=file_paths | dir_paths, dest=st.sampled_from(("a", "d1", "d1/a", "c/b", "d2/d1")))
     def symlink(self, path: str, dest: str) -> None:
@@ -322,6 +798,19 @@ class PosixModel(RuleBasedStateMachine):
         # they may dangle or loop.
         self.both(f"symlink({dest!r}, {path!r})",
                   lambda root: os.symlink(dest, os.path.join(root, path)))
+
+    @rule(data=st.data(), follow=st.booleans())
+    def link(self, data: st.DataObject, follow: bool) -> None:
+        # A file (or a directory: EPERM, or a symlink: followed or not) to a new name or
+        # an existing one (EEXIST).
+        src = self.pick(data, data.draw(st.sampled_from(("file", "file", "any", "dir"))), "src")
+        if data.draw(st.booleans(), label="existing dst"):
+            dst = self.pick(data, data.draw(st.sampled_from(("file", "any"))), "dst")
+        else:
+            dst = self.pick_name(data, "file", "dst")
+        self.both(f"link({src!r}, {dst!r}{'' if follow else ', nofollow'})",
+                  lambda root: os.link(os.path.join(root, src), os.path.join(root, dst),
+                                       follow_symlinks=follow))
 
     @rule(data=st.data())
     def rmdir(self, data: st.DataObject) -> None:
@@ -354,11 +843,38 @@ class PosixModel(RuleBasedStateMachine):
                   lambda root: renameat2(os.path.join(root, src), os.path.join(root, dst),
                                          flags))
 
-    @rule(data=st.data(), mode=file_modes)
-    def chmod(self, data: st.DataObject, mode: int) -> None:
+    @rule(data=st.data())
+    def chmod(self, data: st.DataObject) -> None:
         path = self.pick(data, "any")
+        s = _stat(os.path.join(self.r, path))
+        mode = data.draw(chmod_dir_modes if s is not None and stat.S_ISDIR(s.st_mode)
+                         else file_modes, label="mode")
         self.both(f"chmod({path!r}, {mode:o})", lambda root: os.chmod(os.path.join(root, path),
                                                                      mode))
+
+    @rule(data=st.data(), uid=owners, gid=owners, follow=st.booleans())
+    def chown(self, data: st.DataObject, uid: int, gid: int, follow: bool) -> None:
+        path = self.pick(data, "any")
+        before = _stat(os.path.join(self.r, path), follow)
+        bug = _chown_bug(before, uid, gid, by_user=False)
+        if bug is not None and self.avoid(bug, True):
+            return
+        self.both(f"{'' if follow else 'l'}chown({path!r}, {uid}, {gid})",
+                  lambda root: os.chown(os.path.join(root, path), uid, gid,
+                                        follow_symlinks=follow))
+        self._count_setid_cleared("chown", before, _stat(os.path.join(self.r, path), follow))
+
+    @rule(data=st.data(), mode=file_modes)
+    def give_to_user(self, data: st.DataObject, mode: int) -> None:
+        """chown to the second user, then chmod (set-id modes too): files and directories
+        the second user owns."""
+        path = self.pick(data, "any")
+        before = _stat(os.path.join(self.r, path))
+        self.both(f"chown({path!r}, {USER}, {USER})",
+                  lambda root: os.chown(os.path.join(root, path), USER, USER))
+        self._count_setid_cleared("chown", before, _stat(os.path.join(self.r, path)))
+        self.both(f"chmod({path!r}, {mode:o})",
+                  lambda root: os.chmod(os.path.join(root, path), mode))
 
     @rule(data=st.data())
     def stat_path(self, data: st.DataObject) -> None:
@@ -367,29 +883,84 @@ class PosixModel(RuleBasedStateMachine):
         def op(root: str) -> tuple:
             s = os.lstat(os.path.join(root, path))
             size = s.st_size if stat.S_ISREG(s.st_mode) else None
-            return (oct(s.st_mode), s.st_nlink, size)
+            return (oct(s.st_mode), s.st_nlink, size, s.st_uid, s.st_gid, s.st_rdev)
 
         self.both(f"lstat({path!r})", op)
 
     # -- file data ---------------------------------------------------------------
 
-    @rule(data=st.data(), off=offsets, payload=payloads)
+    def _write(self, desc: str, ref: str | None, payload: bytes, start: int | None,
+               fn: Callable[[str], Any], fd_r: int | None = None) -> None:
+        """A write of `payload` at `start` (on the reference; None: not a regular file,
+        or it will fail) by fn(root). ref: a path of the reference file, to put it back
+        when mtcfs refuses a write past MAX_FILE_SIZE (EFBIG), or cuts it short there;
+        fd_r: the reference's fd written through (its offset is put back too)."""
+        self.closed_writer = True
+        if (start is not None and ref is not None and self.data_path == "fuse"
+                and "writeback-kills-setid" in self.known_bugs
+                and self.avoid("writeback-kills-setid",
+                               self._user_writer_on(os.stat(ref).st_ino))):
+            return
+        if start is None or ref is None or not payload or start + len(payload) <= MAX_FILE_SIZE:
+            self.both(desc, fn)
+            return
+        if self.avoid("write-past-max", True):
+            return
+        s = os.stat(ref)
+        old_size = s.st_size
+        with open(ref, "rb") as f:
+            f.seek(start)
+            old_bytes = f.read(len(payload))
+        old_pos = os.lseek(fd_r, 0, os.SEEK_CUR) if fd_r is not None else None
+        got = attempt(lambda: fn(self.m))
+        want = attempt(lambda: fn(self.r))
+        if want[0] != "ok":
+            self.check(got == want, f"{desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
+            self._count(desc, got)
+            return
+        short = MAX_FILE_SIZE - start
+        value = want[1]
+        cut = (short if isinstance(value, int) else (short, MAX_FILE_SIZE))
+        if got == ("error", "EFBIG"):
+            with open(ref, "r+b") as f:  # as it was
+                f.seek(start)
+                f.write(old_bytes)
+                f.truncate(old_size)
+            if fd_r is not None:
+                os.lseek(fd_r, old_pos, os.SEEK_SET)
+        elif short > 0 and got == ("ok", cut):
+            os.truncate(ref, max(old_size, MAX_FILE_SIZE))  # cut short at the limit
+            if fd_r is not None and not isinstance(value, int):
+                os.lseek(fd_r, MAX_FILE_SIZE, os.SEEK_SET)
+        else:
+            self.check(False, f"{desc}: mtcfs -> {got!r}, expected EFBIG or a write cut "
+                              f"short at {MAX_FILE_SIZE} (tmpfs -> {want!r})")
+        self._count(desc, ("error", "EFBIG (tmpfs: ok)") if got[0] == "error" else got)
+
+    def _regular_size(self, path: str) -> int | None:
+        s = _stat(os.path.join(self.r, path))
+        return s.st_size if s is not None and stat.S_ISREG(s.st_mode) else None
+
+    @rule(data=st.data(), off=any_offsets, payload=payloads)
     def pwrite(self, data: st.DataObject, off: int, payload: bytes) -> None:
+        # Sparse writes at large offsets too, up to and past MAX_FILE_SIZE.
         path = self.pick(data, "file")
 
         def op(root: str) -> int:
-            fd = os.open(os.path.join(root, path), os.O_WRONLY)
+            fd = os.open(os.path.join(root, path), os.O_WRONLY | os.O_NONBLOCK)
             try:
                 return os.pwrite(fd, payload, off)
             finally:
                 os.close(fd)
 
-        self.both(f"pwrite({path!r}, <{len(payload)} bytes>, off={off})", op)
+        self._write(f"pwrite({path!r}, <{len(payload)} bytes>, off={off})",
+                    os.path.join(self.r, path), payload,
+                    off if self._regular_size(path) is not None else None, op)
 
     @rule(data=st.data(), payload=payloads, create=st.booleans())
     def append(self, data: st.DataObject, payload: bytes, create: bool) -> None:
         path = self.pick(data, "file")
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | (os.O_CREAT if create else 0)
 
         def op(root: str) -> tuple[int, int]:
             fd = os.open(os.path.join(root, path), flags, 0o644)
@@ -399,8 +970,9 @@ class PosixModel(RuleBasedStateMachine):
             finally:
                 os.close(fd)
 
-        self.both(f"open({path!r}, O_APPEND{'|O_CREAT' if create else ''}) + "
-                  f"write(<{len(payload)} bytes>)", op)
+        self._write(f"open({path!r}, O_APPEND{'|O_CREAT' if create else ''}) + "
+                    f"write(<{len(payload)} bytes>)", os.path.join(self.r, path), payload,
+                    self._regular_size(path), op)
 
     @rule(data=st.data(), size=offsets)
     def truncate(self, data: st.DataObject, size: int) -> None:
@@ -408,12 +980,21 @@ class PosixModel(RuleBasedStateMachine):
         self.both(f"truncate({path!r}, {size})",
                   lambda root: os.truncate(os.path.join(root, path), size))
 
-    @rule(data=st.data(), off=offsets, size=st.integers(0, 70_000))
+    @rule(data=st.data(), size=big_sizes)
+    def truncate_big(self, data: st.DataObject, size: int) -> None:
+        path = self.pick(data, "file")
+        old = self._regular_size(path)
+        self.both(f"truncate({path!r}, {size})",
+                  lambda root: os.truncate(os.path.join(root, path), size),
+                  past_max=size > MAX_FILE_SIZE,
+                  undo=lambda: os.truncate(os.path.join(self.r, path), old or 0))
+
+    @rule(data=st.data(), off=any_offsets, size=st.integers(0, 70_000))
     def pread(self, data: st.DataObject, off: int, size: int) -> None:
         path = self.pick(data, "any")
 
         def op(root: str) -> bytes:
-            fd = os.open(os.path.join(root, path), os.O_RDONLY)
+            fd = os.open(os.path.join(root, path), os.O_RDONLY | os.O_NONBLOCK)
             try:
                 return os.pread(fd, size, off)
             finally:
@@ -427,6 +1008,7 @@ class PosixModel(RuleBasedStateMachine):
     @rule(target=fds, data=st.data(), flags=open_flags)
     def open_fd(self, data: st.DataObject, flags: int):
         path = self.pick(data, "file")
+        flags |= os.O_NONBLOCK
         fd_m = attempt(lambda: os.open(os.path.join(self.m, path), flags, 0o644))
         fd_r = attempt(lambda: os.open(os.path.join(self.r, path), flags, 0o644))
         for fd in (fd_m, fd_r):
@@ -437,14 +1019,32 @@ class PosixModel(RuleBasedStateMachine):
         self._count("open_fd", fd_m if fd_m[0] != "ok" else ("ok", None))
         if fd_m[0] != "ok":
             return multiple()
-        pair = Pair(fd_m[1], fd_r[1], f"{path}:{flags:#o}")
+        pair = Pair(fd_m[1], fd_r[1], f"{path}:{flags:#o}", flags)
         self.pairs.append(pair)
         return pair
 
-    @rule(pair=fds, off=offsets, payload=payloads)
+    def _fd_start(self, pair: Pair, off: int | None = None) -> int | None:
+        """Where a write through the pair lands on the reference (None: not a file)."""
+        if not pair.open:
+            return None
+        s = os.fstat(pair.fd_r)
+        if not stat.S_ISREG(s.st_mode):
+            return None
+        if pair.flags & os.O_APPEND:
+            return s.st_size
+        return off if off is not None else os.lseek(pair.fd_r, 0, os.SEEK_CUR)
+
+    def _fd_write(self, desc: str, pair: Pair, payload: bytes, start: int | None,
+                  fn: Callable[[int], Any]) -> None:
+        fds = {self.m: pair.fd_m, self.r: pair.fd_r}
+        ref = f"/proc/self/fd/{pair.fd_r}" if pair.open else None
+        self._write(f"fd {desc} on {pair!r}", ref, payload, start, lambda root: fn(fds[root]),
+                    pair.fd_r if pair.open else None)
+
+    @rule(pair=fds, off=any_offsets, payload=payloads)
     def fd_pwrite(self, pair: Pair, off: int, payload: bytes) -> None:
-        self.both_fd(f"pwrite(<{len(payload)} bytes>, off={off})", pair,
-                     lambda fd: os.pwrite(fd, payload, off))
+        self._fd_write(f"pwrite(<{len(payload)} bytes>, off={off})", pair, payload,
+                       self._fd_start(pair, off), lambda fd: os.pwrite(fd, payload, off))
 
     @rule(pair=fds, payload=payloads)
     def fd_write(self, pair: Pair, payload: bytes) -> None:
@@ -452,21 +1052,27 @@ class PosixModel(RuleBasedStateMachine):
             n = os.write(fd, payload)
             return n, os.lseek(fd, 0, os.SEEK_CUR)
 
-        self.both_fd(f"write(<{len(payload)} bytes>)", pair, op)
+        self._fd_write(f"write(<{len(payload)} bytes>)", pair, payload, self._fd_start(pair),
+                       op)
 
-    @rule(pair=fds, off=offsets, size=st.integers(0, 70_000))
+    @rule(pair=fds, off=any_offsets, size=st.integers(0, 70_000))
     def fd_pread(self, pair: Pair, off: int, size: int) -> None:
         self.both_fd(f"pread({size}, off={off})", pair, lambda fd: os.pread(fd, size, off))
 
-    @rule(pair=fds, size=offsets)
+    @rule(pair=fds, size=st.one_of(offsets, big_sizes))
     def fd_truncate(self, pair: Pair, size: int) -> None:
-        self.both_fd(f"ftruncate({size})", pair, lambda fd: os.ftruncate(fd, size))
+        fds = {self.m: pair.fd_m, self.r: pair.fd_r}
+        old = self._fd_start(pair, 0) is not None and os.fstat(pair.fd_r).st_size
+        self.both(f"fd ftruncate({size}) on {pair!r}", lambda root: os.ftruncate(fds[root], size),
+                  past_max=size > MAX_FILE_SIZE,
+                  undo=lambda: os.ftruncate(pair.fd_r, old or 0))
 
     @rule(pair=fds)
     def fd_fstat(self, pair: Pair) -> None:
         def op(fd: int) -> tuple:
             s = os.fstat(fd)  # (the path may name a directory: its size is not compared)
-            return (oct(s.st_mode), s.st_nlink, s.st_size if stat.S_ISREG(s.st_mode) else None)
+            return (oct(s.st_mode), s.st_nlink, s.st_size if stat.S_ISREG(s.st_mode) else None,
+                    s.st_uid, s.st_gid)
 
         self.both_fd("fstat", pair, op)
 
@@ -477,6 +1083,7 @@ class PosixModel(RuleBasedStateMachine):
     @rule(pair=consumes(fds))
     def fd_close(self, pair: Pair) -> None:
         pair.open = False
+        self.closed_writer = True
         self.both_fd("close", pair, os.close)
 
     # -- extended attributes -------------------------------------------------------
@@ -484,6 +1091,12 @@ class PosixModel(RuleBasedStateMachine):
     @rule(data=st.data(), name=xattr_names, value=xattr_values, flags=xattr_flags)
     def setxattr(self, data: st.DataObject, name: str, value: bytes, flags: int) -> None:
         path = self.pick(data, "xattr")
+        try:  # often a name it has (XATTR_CREATE: EEXIST)
+            have = sorted(os.listxattr(os.path.join(self.r, path)))
+        except OSError:
+            have = []
+        if have and data.draw(st.booleans(), label="a name it has"):
+            name = data.draw(st.sampled_from(have), label="name")
         self.both(f"setxattr({path!r}, {name!r}, {value!r}, flags={flags})",
                   lambda root: os.setxattr(os.path.join(root, path), name, value, flags))
 
@@ -509,12 +1122,266 @@ class PosixModel(RuleBasedStateMachine):
 
         self.both(f"listxattr({path!r})", op)
 
+    # -- the second user (uid/gid 65534) --------------------------------------------
+
+    @rule(data=st.data(), flags=user_open_flags, mode=user_create_modes)
+    def user_open(self, data: st.DataObject, flags: int, mode: int) -> None:
+        path = self.pick_for_user(data, "file", prefer=data.draw(
+            st.sampled_from(("new", "in writable dir", "writable")), label="prefer"))
+        s = _stat(os.path.join(self.r, path))
+        if self.avoid("o-trunc-keeps-setid", bool(flags & os.O_TRUNC) and _setid_file(s)):
+            return
+        self.as_user(f"user open{self.sticky_tag(path)}",
+                     f"open({path!r}, {flags:#o}, {mode:o})", "open", path, flags, mode,
+                     watch=path)
+
+    @rule(data=st.data(), off=st.one_of(st.just(-1), offsets), payload=payloads)
+    def user_write(self, data: st.DataObject, off: int, payload: bytes) -> None:
+        # off -1: O_APPEND
+        path = self.pick_for_user(data, "file", prefer="writable")
+        s = _stat(os.path.join(self.r, path))
+        if s is not None and stat.S_ISREG(s.st_mode):
+            if (s.st_size if off < 0 else off) + len(payload) > MAX_FILE_SIZE:
+                return  # (writes past the limit are the root rules')
+            if payload and self.avoid("sgid-kept-for-non-member", _sgid_for_non_member(s)):
+                return
+            if payload and self.avoid("passthrough-write-keeps-setid",
+                                      self.data_path == "passthrough" and _setid_file(s)
+                                      and self._open_elsewhere(s.st_ino)):
+                return
+        self.as_user("user write", f"{'append' if off < 0 else 'pwrite'}({path!r}, "
+                     f"<{len(payload)} bytes>, off={off})", "write", path, off, payload.hex(),
+                     watch=path)
+
+    @rule(data=st.data(), size=st.one_of(offsets, offsets, big_sizes))
+    def user_truncate(self, data: st.DataObject, size: int) -> None:
+        path = self.pick_for_user(data, "file", prefer="writable")
+        s = _stat(os.path.join(self.r, path))
+        if self.avoid("sgid-kept-for-non-member", _sgid_for_non_member(s)):
+            return
+        desc = f"truncate({path!r}, {size})"
+        if size > MAX_FILE_SIZE:
+            got, want = self.user("truncate", path, size)
+            if want[0] == "ok":
+                self.check(got == ("error", "EFBIG"),
+                           f"as uid {USER}: {desc}: mtcfs -> {got!r}, expected EFBIG")
+                os.truncate(os.path.join(self.r, path), s.st_size if s is not None else 0)
+                if s is not None:
+                    os.chmod(os.path.join(self.r, path), stat.S_IMODE(s.st_mode))
+                self._count("user truncate", ("error", "EFBIG (tmpfs: ok)"))
+                return
+            self.check(got == want, f"as uid {USER}: {desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
+            self._count("user truncate", got)
+            return
+        self.as_user("user truncate", desc, "truncate", path, size, watch=path)
+
+    # Namespace calls as the second user: sticky directories (EPERM for others' names),
+    # write and search permission (EACCES), protected hard links (EPERM).
+
+    @rule(data=st.data(), op=st.sampled_from(("unlink", "unlink", "rmdir")))
+    def user_remove(self, data: st.DataObject, op: str) -> None:
+        path = self.pick_for_user(data, "dir" if op == "rmdir" else "file")
+        self.as_user(f"user {op}{self.sticky_tag(path)}", f"{op}({path!r})", op, path)
+
+    @rule(data=st.data(), flags=rename_flags)
+    def user_rename(self, data: st.DataObject, flags: int) -> None:
+        src = self.pick_for_user(data, "any", "src")
+        dst = self.pick_for_user(data, "any", "dst", prefer=data.draw(
+            st.sampled_from(("new", "in writable dir")), label="prefer"))
+        name = {0: "rename", RENAME_NOREPLACE: "renameat2[NOREPLACE]",
+                RENAME_EXCHANGE: "renameat2[EXCHANGE]"}[flags]
+        self.as_user(f"user {name}{self.sticky_tag(src, dst)}", f"{name}({src!r}, {dst!r})",
+                     "rename", src, dst, flags)
+
+    @rule(data=st.data(), op=st.sampled_from(("mkdir", "link", "link", "symlink", "mkfifo",
+                                              "mknod")), mode=dir_modes)
+    def user_make(self, data: st.DataObject, op: str, mode: int) -> None:
+        if op == "mkdir":
+            path = self.pick_for_user(data, "dir", prefer="new")
+            self.as_user(f"user mkdir{self.sticky_tag(path)}", f"mkdir({path!r}, {mode:o})",
+                         "mkdir", path, mode)
+        elif op == "link":
+            src = self.pick_for_user(data, "file", "src", prefer=data.draw(
+                st.sampled_from(("owned", "writable", "in writable dir")), label="prefer"))
+            dst = self.pick_for_user(data, "file", "dst", prefer="new")
+            self.as_user("user link", f"link({src!r}, {dst!r})", "link", src, dst)
+        elif op == "symlink":
+            path = self.pick_for_user(data, "file", prefer="new")
+            self.as_user("user symlink", f"symlink('a', {path!r})", "symlink", "a", path)
+        else:
+            path = self.pick_for_user(data, "file", prefer="new")
+            kind = stat.S_IFIFO if op == "mkfifo" else stat.S_IFCHR  # (EPERM: no CAP_MKNOD)
+            self.as_user(f"user {op}", f"mknod({path!r}, {kind | 0o644:o})", "mknod", path,
+                         kind | 0o644, os.makedev(1, 3))
+
+    @rule(data=st.data(), op=st.sampled_from(("unlink", "rename", "rename", "rmdir")),
+          flags=rename_flags)
+    def user_in_sticky_dir(self, data: st.DataObject, op: str, flags: int) -> None:
+        """Names in sticky directories, the second user's and others': only the owner of
+        the name (or of the directory) may remove or rename it (EPERM)."""
+        cands = [p for p in self.existing("any") if self.sticky_tag(p)]
+        if not cands:
+            return
+        path = data.draw(st.sampled_from(cands), label="path")
+        if op == "rename":
+            dst = self.pick_for_user(data, "file", "dst", prefer="new")
+            name = {0: "rename", RENAME_NOREPLACE: "renameat2[NOREPLACE]",
+                    RENAME_EXCHANGE: "renameat2[EXCHANGE]"}[flags]
+            self.as_user(f"user {name}{self.sticky_tag(path, dst)}",
+                         f"{name}({path!r}, {dst!r})", "rename", path, dst, flags)
+        else:
+            self.as_user(f"user {op}[sticky]", f"{op}({path!r})", op, path)
+
+    @rule(data=st.data(), mode=user_chmod_modes, uid=user_owners, gid=user_owners,
+          which=st.sampled_from(("chmod", "chown")))
+    def user_attr(self, data: st.DataObject, mode: int, uid: int, gid: int, which: str) -> None:
+        """chmod/chown as the second user: its own files (the kernel drops set-group-ID
+        for a group it is not in; chown clears set-id bits), others' (EPERM)."""
+        path = self.pick_for_user(data, "any", prefer="owned")
+        if which == "chmod":
+            self.as_user("user chmod", f"chmod({path!r}, {mode:o})", "chmod", path, mode)
+            return
+        s = _stat(os.path.join(self.r, path))
+        bug = _chown_bug(s, uid, gid, by_user=True)
+        if bug is not None and self.avoid(bug, True):
+            return
+        self.as_user("user chown", f"chown({path!r}, {uid}, {gid})", "chown", path, uid, gid,
+                     watch=path)
+
+    # The second user's open files, written after other calls changed the file (a
+    # chmod u+s by root while it is open, for one).
+
+    @precondition(lambda self: sum(p.open for p in self.user_pairs) < 2)
+    @rule(target=user_fds, data=st.data(), flags=user_fd_flags, mode=user_create_modes)
+    def user_open_fd(self, data: st.DataObject, flags: int, mode: int):
+        path = self.pick_for_user(data, "file", prefer="writable")
+        if self.avoid("o-trunc-keeps-setid", bool(flags & os.O_TRUNC)
+                      and _setid_file(_stat(os.path.join(self.r, path)))):
+            return multiple()
+        if (self.data_path == "fuse" and "writeback-kills-setid" in self.known_bugs
+                and flags & os.O_ACCMODE != os.O_RDONLY):
+            for pair in self.pairs:  # (root's cached writes go out through root's handles)
+                if pair.open:
+                    with contextlib.suppress(OSError):
+                        os.fsync(pair.fd_m)
+        h = self.user.next_handle
+        self.user.next_handle += 1
+        got = self.as_user("user open_fd", f"open({path!r}, {flags:#o}, {mode:o})", "fopen", h,
+                           path, flags, mode)
+        if got[0] != "ok":
+            return multiple()
+        pair = Pair(h, h, f"uid {USER}: {path}:{flags:#o}", flags, path)
+        self.user_pairs.append(pair)
+        return pair
+
+    def _user_writer_on(self, ino: int) -> bool:
+        """Whether the second user has this reference inode open for writing."""
+        return any(pair.open and pair.flags & os.O_ACCMODE != os.O_RDONLY
+                   and (s := self._user_fd_stat(pair)) is not None and s[4] == ino
+                   for pair in self.user_pairs)
+
+    def _open_elsewhere(self, ino: int) -> bool:
+        """Whether an open fd (root's or the second user's) has this reference inode."""
+        for pair in self.pairs:
+            if pair.open and os.fstat(pair.fd_r).st_ino == ino:
+                return True
+        for pair in self.user_pairs:
+            if pair.open and (s := self._user_fd_stat(pair)) is not None and s[4] == ino:
+                return True
+        return False
+
+    def _user_fd_stat(self, pair: Pair) -> tuple[int, int, int, int, int] | None:
+        """The reference file's mode, gid, size, the fd's offset and the file's inode
+        (None: closed)."""
+        got, want = self.user("fstat", pair.fd_r)
+        return want[1] if want[0] == "ok" else None
+
+    @rule(pair=user_fds, payload=payloads, size=offsets,
+          op=st.sampled_from(("write", "write", "chmod u+s, write", "ftruncate")))
+    def user_fd_io(self, pair: Pair, payload: bytes, size: int, op: str) -> None:
+        """A write (or ftruncate) through an fd of the second user's; before the write,
+        root may make the file (by the name it was opened by) set-user-ID."""
+        if op == "ftruncate":
+            self._user_fd_truncate(pair, size)
+            return
+        if op.startswith("chmod"):
+            s = _stat(os.path.join(self.r, pair.path))
+            mode = stat.S_IMODE(s.st_mode) | stat.S_ISUID if s is not None else 0o4666
+            self.both(f"chmod({pair.path!r}, {mode:o})",
+                      lambda root: os.chmod(os.path.join(root, pair.path), mode))
+        s = self._user_fd_stat(pair)
+        if s is not None and stat.S_ISREG(s[0]) and payload:
+            mode, gid, size, pos, _ = s
+            if (size if pair.flags & os.O_APPEND else pos) + len(payload) > MAX_FILE_SIZE:
+                return  # (writes past the limit are the root rules')
+            if self.avoid("sgid-kept-for-non-member", bool(mode & stat.S_ISGID)
+                          and not mode & stat.S_IXGRP and gid != USER):
+                return
+            if self.avoid("passthrough-write-keeps-setid",
+                          self.data_path == "passthrough" and bool(mode & SETID)):
+                return
+            if mode & SETID:
+                COVERAGE[("user fd write", "on a set-id file")] += 1
+        before = s[0] if s is not None else 0
+        got = self.as_user("user fd write", f"write(<{len(payload)} bytes>) on {pair!r}",
+                           "fwrite", pair.fd_r, payload.hex())
+        after = self._user_fd_stat(pair)
+        if got[0] == "ok" and after is not None and before & SETID & ~after[0]:
+            COVERAGE[("user fd write", "cleared set-id")] += 1
+        if self.data_path == "fuse" and "writeback-kills-setid" in self.known_bugs:
+            self.user("fsync", pair.fd_r)  # (its cached pages go out now, through its handle)
+
+    def _user_fd_truncate(self, pair: Pair, size: int) -> None:
+        s = self._user_fd_stat(pair)
+        if s is not None and self.avoid("sgid-kept-for-non-member", stat.S_ISREG(s[0])
+                                        and bool(s[0] & stat.S_ISGID)
+                                        and not s[0] & stat.S_IXGRP and s[1] != USER):
+            return
+        self.as_user("user fd ftruncate", f"ftruncate({size}) on {pair!r}", "ftruncate",
+                     pair.fd_r, size)
+
+    @rule(pair=consumes(user_fds))
+    def user_fd_close(self, pair: Pair) -> None:
+        pair.open = False
+        self.as_user("user fd close", f"close() on {pair!r}", "fclose", pair.fd_r)
+
     # -- the whole tree ------------------------------------------------------------
+
+    def settle(self) -> None:
+        """While passthrough-seal-race is a known bug: before the snapshot opens files,
+        wait until the files whose last writer was closed are checksummed (`sealing`
+        is over), so that the race is never run into."""
+        if (not self.closed_writer or self.data_path != "passthrough"
+                or "passthrough-seal-race" not in self.known_bugs):
+            return
+        self.closed_writer = False
+        if not control.request(self.m, "status")["status"]["states"].get("sealing"):
+            return
+        COVERAGE[("(known bug, not run)", "passthrough-seal-race")] += 1
+        for dirpath, _, filenames in os.walk(self.m):
+            for name in filenames:
+                p = os.path.join(dirpath, name)
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    try:
+                        state = json.loads(os.getxattr(p, "user.mtcfs.state",
+                                                       follow_symlinks=False))
+                    except OSError:
+                        break  # (not a regular file)
+                    if state.get("state") != "sealing":
+                        break
+                    time.sleep(0.002)
+
+    def compare_trees(self, when: str) -> None:
+        self.settle()
+        want, ranges = snapshot(self.r)
+        got, _ = snapshot(self.m, ranges)
+        self.check(got == want, f"trees differ {when} (mtcfs vs tmpfs):\n"
+                   + describe_diff(got, want))
 
     @invariant()
     def trees_match(self) -> None:
-        got, want = snapshot(self.m), snapshot(self.r)
-        self.check(got == want, "trees differ (mtcfs vs tmpfs):\n" + describe_diff(got, want))
+        self.compare_trees("")
 
     def teardown(self) -> None:
         for pair in self.pairs:
@@ -522,11 +1389,14 @@ class PosixModel(RuleBasedStateMachine):
                 pair.open = False
                 for fd in (pair.fd_m, pair.fd_r):
                     os.close(fd)
+        for pair in self.user_pairs:
+            if pair.open:
+                pair.open = False
+                self.user("fclose", pair.fd_r)
         if not self.failed:
             # Closing may flush the last writes: compare once more.
-            got, want = snapshot(self.m), snapshot(self.r)
-            assert got == want, ("trees differ after closing all files:\n"
-                                 + describe_diff(got, want))
+            self.closed_writer = True
+            self.compare_trees("after closing all files")
 
 
 # Outcomes the run must have produced, or the model is not testing what it
@@ -539,35 +1409,74 @@ EXPECTED_COVERAGE = [
     ("setxattr", "ok"), ("setxattr", "EEXIST"), ("setxattr", "ENODATA"), ("getxattr", "ok"),
     ("removexattr", "ok"), ("removexattr", "ENODATA"), ("truncate", "ok"), ("pwrite", "ok"),
     ("fd pread", "ok"), ("fd write", "ok"), ("fd ftruncate", "ok"), ("fd close", "ok"),
+    # hard links, device nodes, FIFOs, sockets
+    ("link", "ok"), ("link", "EEXIST"), ("link", "EPERM"), ("link", "ENOENT"),
+    ("mknod", "ok"), ("mknod", "EEXIST"), ("mknod", "EINVAL"),
+    ("open_fd", "EACCES"),  # (root) a device node: the mount is nodev
+    # owners and set-id bits
+    ("chown", "ok"), ("chown", "cleared set-id"), ("lchown", "ok"),
+    ("user write", "cleared set-id"), ("user truncate", "cleared set-id"),
+    ("user chown", "cleared set-id"), ("user chown", "EPERM"), ("user chmod", "EPERM"),
+    ("user chmod", "ok"), ("user fd write", "cleared set-id"),
+    # the second user: permissions and sticky directories
+    ("user open", "EACCES"), ("user open", "ok"), ("user write", "EACCES"),
+    ("user write", "ok"), ("user truncate", "ok"), ("user mkdir", "EACCES"),
+    ("user mkdir", "ok"), ("user unlink", "ok"), ("user unlink[sticky]", "EPERM"),
+    ("user unlink[sticky]", "ok"), ("user rename[sticky]", "EPERM"), ("user rename", "ok"),
+    ("user link", "EPERM"), ("user link", "ok"),
+    ("user mkfifo", "ok"), ("user fd write", "ok"), ("user fd ftruncate", "ok"),
+    # past mtcfs's 1 TiB limit (the documented difference)
+    ("truncate", "EFBIG (tmpfs: ok)"), ("fd ftruncate", "EFBIG (tmpfs: ok)"),
+    ("user truncate", "EFBIG (tmpfs: ok)"),
 ]
+# Expected outcomes the model cannot produce while a known bug is listed (and only
+# reached on some data paths): outcome -> (bug, data path).
+BLOCKED_BY_BUG = {
+    ("user fd write", "cleared set-id"): ("passthrough-write-keeps-setid", "passthrough"),
+}
 
 
-def test_mtcfs_behaves_like_tmpfs(mnt, ram_root: Path) -> None:
+def test_mtcfs_behaves_like_tmpfs(make_mount, ram_root: Path, data_path: str) -> None:
+    mnt = make_mount(extra=("-o", "allow_other"))  # for the second user
+    # The reference: a tmpfs of its own, nodev and nosuid as mtcfs mounts are (on
+    # /dev/shm, opening a device node made by mknod would open the device).
     ref = ram_root / "ref"
     ref.mkdir()
-    os.chmod(ref, stat.S_IMODE(os.stat(mnt.path).st_mode))
+    root_st = os.stat(mnt.path)
+    subprocess.run(["mount", "-t", "tmpfs", "-o",
+                    f"nodev,nosuid,size=1g,mode={stat.S_IMODE(root_st.st_mode):o},"
+                    f"uid={root_st.st_uid},gid={root_st.st_gid}", "mtcfs-posix-ref", str(ref)],
+                   check=True)
+    user = SecondUser(str(mnt.path), str(ref))
     COVERAGE.clear()
     examples = int(os.environ.get("MTCFS_POSIX_EXAMPLES", "300"))
     # The same sequences on every run (CI must not depend on luck: a rare outcome
     # such as setxattr EEXIST went unproduced once in ~10 runs); MTCFS_POSIX_RANDOM=1
     # explores new ones.
     explore = bool(os.environ.get("MTCFS_POSIX_RANDOM"))
-    run_state_machine_as_test(
-        lambda: PosixModel(str(mnt.path), str(ref)),
-        settings=settings(
-            derandomize=not explore,
-            max_examples=examples,
-            stateful_step_count=int(os.environ.get("MTCFS_POSIX_STEPS", "50")),
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                   HealthCheck.data_too_large],
-        ),
-    )
+    try:
+        run_state_machine_as_test(
+            lambda: PosixModel(str(mnt.path), str(ref), user, data_path),
+            settings=settings(
+                derandomize=not explore,
+                max_examples=examples,
+                stateful_step_count=int(os.environ.get("MTCFS_POSIX_STEPS", "50")),
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                       HealthCheck.data_too_large],
+            ),
+        )
+    finally:
+        user.close()
+        subprocess.run(["umount", "-l", str(ref)], capture_output=True)
     print("\nposix model coverage:")
     for (op, outcome), n in sorted(COVERAGE.items()):
-        print(f"  {op:32} {outcome:12} {n}")
+        print(f"  {op:32} {outcome:20} {n}")
     if examples >= 300 and not explore:
-        missing = [k for k in EXPECTED_COVERAGE if not COVERAGE[k]]
+        blocked = {k for k, (bug, path) in BLOCKED_BY_BUG.items()
+                   if bug in KNOWN_BUGS and path == data_path
+                   and not os.environ.get("MTCFS_POSIX_KNOWN_BUGS")}
+        missing = [k for k in EXPECTED_COVERAGE if not COVERAGE[k] and k not in blocked]
         assert not missing, f"the random runs never produced {missing}"
     # The daemon survived the whole run and saw no error it could not map.
     assert mnt.proc.poll() is None

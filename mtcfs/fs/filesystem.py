@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -157,6 +158,7 @@ class Filesystem(Listener):
         self.dir_handles: dict[int, tuple[Inode, list[tuple[bytes, int]]]] = {}
         self._next_fh = 1
         self._crc: dict[int, StreamingCrc] = {}
+        self._sealing: Counter[int] = Counter()  # inodes with a checksum pass in flight
         self.stats = Stats()
         # True once any file carries security.capability: until then the
         # kernel's per-write capability probe is answered without a lookup.
@@ -275,7 +277,7 @@ class Filesystem(Listener):
                 await self.open_for_write(node)  # the kept part must be here first
             self._truncate(node, size)
             node.mtime_ns = now
-            if node.writers == 0 and node.dirty:
+            if node.writers == 0 and (node.dirty or node.state == SEALING or node.pt_changed):
                 await self.seal(node)  # truncate(2) on a closed file: seal it again
         if mode is not None:
             node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
@@ -725,9 +727,13 @@ class Filesystem(Listener):
     def _crc_for(self, node: Inode) -> StreamingCrc:
         crc = self._crc.get(node.ino)
         if crc is None:
+            # The sealed checksum resumes only if it still describes the data: not once
+            # a passthrough writer may have changed it unseen.
+            resumable = (node.crc32c is not None and not node.pt_changed
+                         and node.state != SEALING and node.size == node.sealed_size)
             crc = self._crc[node.ino] = (
                 StreamingCrc(node.crc32c, node.size, blocks=node.block_crcs)
-                if node.crc32c is not None
+                if resumable
                 else StreamingCrc(valid=False)
             )
         return crc
@@ -826,8 +832,8 @@ class Filesystem(Listener):
                 await self.seal(node)
                 node.pt_changed = node.dirty and node.pt_writers > 0
         self.ram.release(node.ino)
-        if node.opens == 0:
-            self._crc.pop(node.ino, None)
+        if node.opens == 0 and node.ino not in self._sealing:
+            self._crc.pop(node.ino, None)  # (a seal's pass in flight keeps its stream)
             node.fsynced = False
         self._maybe_drop(node)
 
@@ -840,17 +846,31 @@ class Filesystem(Listener):
             self._crc[node.ino] = StreamingCrc(valid=False)
         stream = self._crc_for(node)
         crc, blocks = stream.result(node.size), stream.blocks(node.size)
-        seq = node.wseq
-        if crc is None or blocks is None:
+        while crc is None or blocks is None:
             # Written out of order: one pass over the data, off the event loop.
+            seq, size = node.wseq, node.size
             self.stats.seal_full_passes += 1
             fd = self.ram.acquire(node.ino)
+            self._sealing[node.ino] += 1
             try:
-                crc, blocks = await trio.to_thread.run_sync(block_crcs_of_fd, fd, node.size)
+                crc, blocks = await trio.to_thread.run_sync(block_crcs_of_fd, fd, size)
             finally:
+                self._sealing[node.ino] -= 1
+                if not self._sealing[node.ino]:
+                    del self._sealing[node.ino]
                 self.ram.release(node.ino)
-            if node.wseq != seq or not node.linked:
-                return  # written during the pass: the last release seals again
+            if not node.linked:
+                return
+            if node.wseq != seq or node.size != size:
+                if node.writers:
+                    return  # written during the pass: the last release seals again
+                # Truncated (or written and closed) during the pass, nobody writing
+                # now: no release will come to seal it, so take it again.
+                stream = self._crc_for(node)
+                crc, blocks = stream.result(node.size), stream.blocks(node.size)
+                if crc is None or blocks is None:
+                    continue
+                break
             self._crc[node.ino] = StreamingCrc(crc, node.size, blocks=blocks)
         self._seal_now(node, crc, blocks)
 
@@ -859,7 +879,7 @@ class Filesystem(Listener):
         # same version, its copies and persisted object still good.
         same = (node.version > 0 and node.crc32c == crc and node.block_crcs == blocks
                 and node.size == node.sealed_size and node.state != INCOMPLETE
-                and not node.cached and node.writer == self.node_id)
+                and not node.cached and node.author == self.node_id)
         node.crc32c = crc
         node.block_crcs = blocks
         node.state = CLOSED
@@ -908,8 +928,8 @@ class Filesystem(Listener):
             "version": node.version,
             "holders": holders,
             # Peer copies: holders other than the node that wrote this version.
-            "replicas": len([h for h in holders if h != (node.writer or self.node_id)]),
-            "writer": node.writer or (self.node_id if node.version else None),
+            "replicas": len([h for h in holders if h != (node.author or self.node_id)]),
+            "writer": node.author or (self.node_id if node.version else None),
             "persisted": node.persisted,
             "generation": node.generation or None,
             "tiers": [t for t, present in (("ram", here), ("peers", bool(elsewhere)),
@@ -926,7 +946,7 @@ class Filesystem(Listener):
             return node.state
         if not here:
             # Written here and dropped: evicted; another host's file: remote.
-            return "evicted" if node.writer in ("", self.node_id) else "remote"
+            return "evicted" if node.author in ("", self.node_id) else "remote"
         if self.copies.droppable(node) and not self.space.busy(node):
             return "evictable"
         if node.persisted:

@@ -52,7 +52,8 @@ class Inode:
     # nodes holding this version, per-block crc32cs.
     guid: str = ""
     lamport: int = 0
-    writer: str = ""
+    writer: str = ""  # (lamport, writer): the last change's stamp (any change)
+    author: str = ""  # the node that sealed this data version (not changed by a rename)
     holders: list[str] = field(default_factory=list)
     block_crcs: bytes | None = None
     # Hard links: names besides (parent, name), in the order they were made.
@@ -127,6 +128,7 @@ class Inode:
             self.writer,
             ",".join(self.holders),
             self.block_crcs,
+            self.author,
         )
 
 
@@ -157,7 +159,8 @@ class Namespace:
                 r.ino, r.mode, r.uid, r.gid, 0, b"", r.size, r.atime_ns, r.mtime_ns,
                 r.ctime_ns, r.rdev, r.target, r.state, r.crc32c, r.version,
                 r.persisted_version, r.generation, r.has_data, r.guid or new_guid(),
-                r.lamport, r.writer, [h for h in r.holders.split(",") if h], r.block_crcs,
+                r.lamport, r.writer, r.author,
+                [h for h in r.holders.split(",") if h], r.block_crcs,
             )
             ino.sealed_size = r.size
             if r.ino == ROOT:

@@ -56,7 +56,7 @@ class Copies:
     def kind(self, node: Inode) -> str:
         if node.cached:
             return CACHE
-        if not node.writer or node.writer == self.node_id:
+        if not node.author or node.author == self.node_id:
             return OWN
         return REPLICA
 
@@ -87,7 +87,7 @@ class Copies:
         """Verified copies of this version other than its writer's, on live hosts
         (this one included)."""
         return sum(1 for h in node.holders
-                   if h != node.writer and (h == self.node_id or self.is_live(h)))
+                   if h != node.author and (h == self.node_id or self.is_live(h)))
 
     def replicated(self, node: Inode) -> bool:
         """K verified peer copies of this version exist (--fsync replicas)."""
@@ -113,7 +113,7 @@ class Copies:
     def sealed_here(self, node: Inode) -> None:
         """A new version was written and sealed here: its one copy is this host's."""
         node.holders = [self.node_id]
-        node.writer = self.node_id
+        node.author = self.node_id
         node.cached = False
         node.has_data = True
 

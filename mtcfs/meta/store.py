@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS inodes (
     lamport INTEGER NOT NULL DEFAULT 0,
     writer TEXT NOT NULL DEFAULT '',
     holders TEXT NOT NULL DEFAULT '',
-    block_crcs BLOB
+    block_crcs BLOB,
+    author TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS dentries (
     parent INTEGER NOT NULL,
@@ -72,7 +73,8 @@ CREATE TABLE IF NOT EXISTS xattrs (
 
 _INODE_COLS = (
     "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version,"
-    " persisted_version, generation, has_data, guid, lamport, writer, holders, block_crcs"
+    " persisted_version, generation, has_data, guid, lamport, writer, holders, block_crcs,"
+    " author"
 )
 _INODE_PARAMS = ",".join("?" * len(_INODE_COLS.split(",")))
 # Columns added after schema 1, for databases written by older versions.
@@ -92,6 +94,12 @@ _MIGRATIONS = {
     3: [
         # 1 for a hard link's further names; 0 for the name an inode is known by.
         "ALTER TABLE dentries ADD COLUMN alias INTEGER NOT NULL DEFAULT 0",
+    ],
+    4: [
+        # The node that sealed an inode's data version (until schema 4 the writer of
+        # its last change stood for it).
+        "ALTER TABLE inodes ADD COLUMN author TEXT NOT NULL DEFAULT ''",
+        "UPDATE inodes SET author = writer",
     ],
 }
 
@@ -119,6 +127,7 @@ class InodeRow:
     writer: str = ""
     holders: str = ""  # comma-separated node ids with a verified copy of this version
     block_crcs: bytes | None = None  # crc32c per 4 MiB block (mtcfs.checksums.BLOCK)
+    author: str = ""  # the node that sealed this data version (it uploads, pushes it)
 
 
 class MetaStore:
@@ -215,6 +224,7 @@ class MetaStore:
                 r.writer,
                 r.holders,
                 r.block_crcs,
+                r.author,
             ),
         )
 

@@ -153,7 +153,7 @@ class ReplicatedIndex:
             id=node.guid, parent=parent.guid, name=node.name, mode=node.mode, uid=node.uid,
             gid=node.gid, mtime_ns=node.mtime_ns, ctime_ns=node.ctime_ns,
             size=node.size, version=node.version, holders=node.holders,
-            lamport=node.lamport, writer=node.writer,
+            lamport=node.lamport, writer=node.writer, author=node.author,
             persisted_version=node.persisted_version, generation=node.generation,
             rdev=node.rdev,
         )
@@ -413,6 +413,7 @@ class ReplicatedIndex:
         node.size = e.size
         node.crc32c = e.crc32c if e.has_crc else None
         node.version = e.version
+        node.author = e.author or e.writer  # (a peer of an older version: its stamp)
         node.state = CLOSED
         node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
         if fresh and node.has_data:

@@ -131,6 +131,8 @@ def check_entry(e: pb.Entry) -> None:
         raise BadRequest("the root is not a peer entry")
     if e.writer:
         check_node_id(e.writer, "writer")
+    if e.author:
+        check_node_id(e.author, "author")
     # uint64 on the wire; SQLite and stat() take int64 (the lamport clock must still tick).
     if max(e.lamport, e.size, e.version, e.persisted_version) >= MAX_COUNTER:
         raise BadRequest("lamport, size or version out of range")

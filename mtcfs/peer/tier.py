@@ -356,7 +356,7 @@ class PeerTier(Listener):
     def _needs_copies(self, node: Inode) -> bool:
         # Only copies on live peers count: a dead holder's copy is made again elsewhere.
         return (self.replicas > 0 and node.linked and node.state == CLOSED and node.has_data
-                and not node.dirty and node.writer == self.node_id
+                and not node.dirty and node.author == self.node_id
                 and not (node.persisted and self.retired.contains(node))
                 and len([h for h in node.holders if h != self.node_id
                          and self.members.by_node(h) is not None]) < self.replicas)
@@ -543,7 +543,7 @@ class PeerTier(Listener):
         # (until it is sealed again): the reader verifies every block, so bytes that
         # changed meanwhile are refused there, never served as that version.
         rewritten = ((node.dirty or node.state == SEALING) and node.version > 0
-                     and node.writer == self.node_id)
+                     and node.author == self.node_id)
         if not node.has_data or not (node.state == CLOSED and not node.dirty or rewritten):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no complete copy here")
         if version and node.version != version:

@@ -212,6 +212,11 @@ class Uploader(Listener):
                 if f.generation:
                     self.copies.unpersisted(f)
                     f.copy_grace = deadline
+        # Never uploaded (a temporary name, or not yet): the mover has no object to copy
+        # and, without the data, does not upload; the host that sealed it does.
+        for f in files:
+            if not f.generation and f.state == CLOSED and self.owns(f):
+                self.sealed(f)
 
     def name_removed(self, node: Inode, path: str, was_own: bool) -> None:
         """A hard-linked file lost the name at `path` (it keeps others)."""
@@ -348,8 +353,9 @@ class Uploader(Listener):
             self.ns.store.set_meta(REQUESTED_KEY, json.dumps(sorted(self.requested)))
 
     def owns(self, node: Inode) -> bool:
-        """This host uploads the files it wrote (all of them without peers)."""
-        return not self.node_id or not node.writer or node.writer == self.node_id
+        """This host uploads the files it sealed (all of them without peers), whoever
+        renamed them since."""
+        return not self.node_id or not node.author or node.author == self.node_id
 
     def remote_changed(self, nodes: list[Inode]) -> None:
         """Changes from other hosts: a step they committed (a marker, a directory
