@@ -42,16 +42,6 @@ def test_a_file_renamed_by_another_host_is_persisted(make_cluster, tmp_path: Pat
 
 
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
-@pytest.mark.xfail(strict=True, reason=(
-    "a host cut off from every peer sees all of them dead, so the other hosts' "
-    "unpersisted files of a committed step look lost to it: it is the 'acting' host of "
-    "its one-host partition and withdraws the healthy step (renames its marker and "
-    "directory, uploads its own files under the withdrawn name); after the heal the two "
-    "sides do not converge. Seen in repeated runs: the step's marker never reaches the "
-    "bucket (queues idle, no error); or another host's uploads stay queued forever; or "
-    "the step directory splits in two on every host (step_1/ with 4 files, "
-    "step_1.mtcfs-withdrawn/ with the cut-off host's shards and the marker); in some "
-    "runs it converges, and the test then fails on the withdrawal in the minority"))
 def test_a_partition_leaves_a_healthy_committed_step_intact(tmp_path: Path) -> None:
     """Three hosts save step 1 (each its shards, one the commit) with the bucket frozen, so
     nothing is persisted yet; every file gets its replica. Then h2 drops every packet to
@@ -97,12 +87,6 @@ def test_a_partition_leaves_a_healthy_committed_step_intact(tmp_path: Path) -> N
         ch.teardown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a replacement host (empty RAM dir, same node id) owns the upload of the files its "
-    "predecessor wrote and did not persist, but has no data: Uploader._upload logs "
-    "'cannot persist ...: its data is no longer in this host's RAM' and gives up, while "
-    "the peer holding a verified replica never uploads it (not the writer); the step's "
-    "marker then waits forever and the committed step never reaches the bucket"))
 def test_a_replaced_writers_replicated_shard_is_persisted(make_cluster, tmp_path: Path) -> None:
     """Host a writes its shard of step_1 (replicated to a peer), then a is lost and
     replaced by an empty host with the same node id; b commits the step. The shard has a

@@ -15,8 +15,11 @@ names; should a lost file come back (its holder rejoins with its RAM intact),
 the step is reinstated under its own names.
 
 One host acts (the live host with the smallest node id): every host computes
-the same choice from the same index, and a second one acting in a partition
-makes the same renames, which merge.
+the same choice from the same index. Only a host that sees at least half of the
+job's hosts alive (itself included) acts: a host cut off from the others sees
+them all dead, and must not withdraw the steps they still hold (with two hosts a
+dead peer and a cut link look alike, and either may act; renames made on both
+sides merge when the link heals).
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ class Withdrawal(Listener):
     which every host hears of. `live_nodes`: the node ids of the live peers."""
 
     def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
-                 live_nodes: Callable[[], list[str]]) -> None:
+                 live_nodes: Callable[[], list[str]], job_size: Callable[[], int]) -> None:
         self.fs = fs
         self.copies = copies
         self.rules = rules
         self.live_nodes = live_nodes
+        self.job_size = job_size  # hosts of the job, this one included, live or not
         self.withdrawn = 0
         self.reinstated = 0
         self._wake = trio.Event()
@@ -85,8 +89,12 @@ class Withdrawal(Listener):
     # -- deciding ------------------------------------------------------------------------
 
     def acting(self) -> bool:
-        """This host is the one that renames (the smallest live node id)."""
-        return self.copies.node_id <= min(self.live_nodes(), default=self.copies.node_id)
+        """This host is the one that renames: the smallest live node id, on the side
+        of a partition that holds at least half of the job's hosts."""
+        live = self.live_nodes()
+        if 2 * (len(live) + 1) < self.job_size():
+            return False
+        return self.copies.node_id <= min(live, default=self.copies.node_id)
 
     def lost(self, f: Inode) -> bool:
         return self.copies.lost(f)

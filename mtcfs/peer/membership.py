@@ -137,6 +137,10 @@ class Membership:
     def is_live(self, node_id: str) -> bool:
         return self.by_node(node_id) is not None
 
+    def job_size(self) -> int:
+        """The hosts of the job as configured (peers live or not, and this one)."""
+        return len(self.peers) + 1
+
     def live_nodes(self) -> list[str]:
         return [p.node_id for p in self.peers.values() if p.alive and p.node_id]
 

@@ -402,7 +402,7 @@ class Uploader(Listener):
             self._lot.unpark_all()
 
     def fetch_failed(self, node: Inode, why: str) -> None:
-        if node.ino in self.requested and node.ino in self.queue:
+        if (node.ino in self.requested or self.owns(node)) and node.ino in self.queue:
             # Shown by `mtcfs persist` as failed; asked again, it is tried again.
             self.failed[node.ino] = f"no copy could be fetched: {why}"
             log.error("cannot persist %s: no copy could be fetched: %s",
@@ -509,8 +509,11 @@ class Uploader(Listener):
             if not node.linked or node.state != CLOSED or node.persisted:
                 del self.queue[ino]
                 continue
-            if not node.has_data and not self.owns(node):
-                if node.ino in self.requested:
+            if not node.has_data:
+                # Ours but not here (this host replaced its lost predecessor, whose
+                # copy survives on a peer), or asked for by `mtcfs persist`: the data is
+                # fetched first, then uploaded.
+                if self.owns(node) or node.ino in self.requested:
                     self._fetch_then_upload(node)
                 continue
             if node.dirty:
