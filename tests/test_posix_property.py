@@ -38,7 +38,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +58,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from mtcfs import control
 from mtcfs.fs.filesystem import MAX_FILE_SIZE
 
 from support.mounts import BOTH_DATA_PATHS
@@ -108,9 +106,6 @@ KNOWN_BUGS = {
     "writeback-kills-setid": "fuse: the kernel writes cached pages back through any writable "
                              "handle of the file; mtcfs clears set-id bits when that handle's "
                              "opener is unprivileged, though root wrote the data",
-    "passthrough-seal-race": "passthrough: a file opened and closed read-only while the "
-                             "release of its last writer checksums it, then truncated: EIO "
-                             "(internal error), and the file stays `sealing` for good",
 }
 
 
@@ -577,7 +572,6 @@ class PosixModel(RuleBasedStateMachine):
         self.pairs: list[Pair] = []
         self.user_pairs: list[Pair] = []
         self.failed = False
-        self.closed_writer = True  # a writer of a file on mtcfs may have been closed
         clear_dir(self.m)
         clear_dir(self.r)
 
@@ -617,7 +611,6 @@ class PosixModel(RuleBasedStateMachine):
         """The second user's call on both sides. key: what COVERAGE counts it as; watch:
         a path whose set-id bits are watched (counted when the call clears them)."""
         before = _stat(os.path.join(self.r, watch)) if watch is not None else None
-        self.closed_writer |= op in ("open", "write", "fclose")
         got, want = self.user(op, *args)
         self.check(got == want, f"as uid {USER}: {desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
         self._count(key, got)
@@ -777,7 +770,6 @@ class PosixModel(RuleBasedStateMachine):
 
         self.both(f"open({path!r}, O_CREAT|{'O_EXCL' if exclusive else 'O_TRUNC'}, "
                   f"{mode:o})", op)
-        self.closed_writer = True
 
     @rule(path=dir_paths | file_paths, mode=dir_modes)
     def mkdir(self, path: str, mode: int) -> None:
@@ -895,7 +887,6 @@ class PosixModel(RuleBasedStateMachine):
         or it will fail) by fn(root). ref: a path of the reference file, to put it back
         when mtcfs refuses a write past MAX_FILE_SIZE (EFBIG), or cuts it short there;
         fd_r: the reference's fd written through (its offset is put back too)."""
-        self.closed_writer = True
         if (start is not None and ref is not None and self.data_path == "fuse"
                 and "writeback-kills-setid" in self.known_bugs
                 and self.avoid("writeback-kills-setid",
@@ -1083,7 +1074,6 @@ class PosixModel(RuleBasedStateMachine):
     @rule(pair=consumes(fds))
     def fd_close(self, pair: Pair) -> None:
         pair.open = False
-        self.closed_writer = True
         self.both_fd("close", pair, os.close)
 
     # -- extended attributes -------------------------------------------------------
@@ -1347,33 +1337,7 @@ class PosixModel(RuleBasedStateMachine):
 
     # -- the whole tree ------------------------------------------------------------
 
-    def settle(self) -> None:
-        """While passthrough-seal-race is a known bug: before the snapshot opens files,
-        wait until the files whose last writer was closed are checksummed (`sealing`
-        is over), so that the race is never run into."""
-        if (not self.closed_writer or self.data_path != "passthrough"
-                or "passthrough-seal-race" not in self.known_bugs):
-            return
-        self.closed_writer = False
-        if not control.request(self.m, "status")["status"]["states"].get("sealing"):
-            return
-        COVERAGE[("(known bug, not run)", "passthrough-seal-race")] += 1
-        for dirpath, _, filenames in os.walk(self.m):
-            for name in filenames:
-                p = os.path.join(dirpath, name)
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    try:
-                        state = json.loads(os.getxattr(p, "user.mtcfs.state",
-                                                       follow_symlinks=False))
-                    except OSError:
-                        break  # (not a regular file)
-                    if state.get("state") != "sealing":
-                        break
-                    time.sleep(0.002)
-
     def compare_trees(self, when: str) -> None:
-        self.settle()
         want, ranges = snapshot(self.r)
         got, _ = snapshot(self.m, ranges)
         self.check(got == want, f"trees differ {when} (mtcfs vs tmpfs):\n"
@@ -1395,7 +1359,6 @@ class PosixModel(RuleBasedStateMachine):
                 self.user("fclose", pair.fd_r)
         if not self.failed:
             # Closing may flush the last writes: compare once more.
-            self.closed_writer = True
             self.compare_trees("after closing all files")
 
 
@@ -1429,6 +1392,15 @@ EXPECTED_COVERAGE = [
     ("truncate", "EFBIG (tmpfs: ok)"), ("fd ftruncate", "EFBIG (tmpfs: ok)"),
     ("user truncate", "EFBIG (tmpfs: ok)"),
 ]
+# Outcomes the same 300 sequences reach in some runs and not in others (they hinge on
+# which names earlier steps left behind, and those on timing of the second user's
+# calls): reported, not required; each has a directed test in test_posix_semantics.py.
+RARE = {
+    ("user mkdir", "EACCES"): "test_a_user_is_refused_where_tmpfs_refuses",
+    ("user rename[sticky]", "EPERM"): "test_a_user_is_refused_where_tmpfs_refuses",
+    ("fd ftruncate", "EFBIG (tmpfs: ok)"):
+        "test_huge_lengths_fail_at_once_and_sparse_files_are_cheap",
+}
 # Expected outcomes the model cannot produce while a known bug is listed (and only
 # reached on some data paths): outcome -> (bug, data path).
 BLOCKED_BY_BUG = {
@@ -1477,6 +1449,10 @@ def test_mtcfs_behaves_like_tmpfs(make_mount, ram_root: Path, data_path: str) ->
                    if bug in KNOWN_BUGS and path == data_path
                    and not os.environ.get("MTCFS_POSIX_KNOWN_BUGS")}
         missing = [k for k in EXPECTED_COVERAGE if not COVERAGE[k] and k not in blocked]
+        rare = [k for k in missing if k in RARE]
+        if rare:
+            print(f"rare outcomes not produced this time (tested directly: RARE): {rare}")
+        missing = [k for k in missing if k not in RARE]
         assert not missing, f"the random runs never produced {missing}"
     # The daemon survived the whole run and saw no error it could not map.
     assert mnt.proc.poll() is None
