@@ -25,8 +25,9 @@ STRIPE_BLOCKS = 4  # 16 MiB: few requests per GiB, yet spread over holders
 class StripeFailed(OSError):
     """No holder could deliver the remaining blocks; `errors` says what each said."""
 
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__(5, "no holder could deliver it (" + "; ".join(errors) + ")")
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        super().__init__(5, "no holder could deliver it (" + ("; ".join(
+            f"{n}: {type(e).__name__}: {e}" for n, e in errors.items()) or "no holder") + ")")
         self.errors = errors
 
 
@@ -53,7 +54,7 @@ class Striped(Generic[H]):
         self.limiter = limiter
         self.name = name
         self.bytes_by: dict[str, int] = {}  # bytes each holder delivered
-        self.errors: dict[str, str] = {}  # holders dropped, and why
+        self.errors: dict[str, Exception] = {}  # holders dropped, and why
 
     async def run(self, holders: Sequence[H]) -> dict[str, int]:
         """Every block, from these holders; returns bytes delivered per holder name.
@@ -61,8 +62,7 @@ class Striped(Generic[H]):
         while self.todo:
             live = [h for h in holders if self.name(h) not in self.errors]
             if not live:
-                raise StripeFailed([f"{n}: {e}" for n, e in self.errors.items()]
-                                   or ["no holder"])
+                raise StripeFailed(self.errors)
             # Workers end when the queue is empty; a stripe that failed meanwhile
             # is put back, and the loop starts workers again for what is left.
             async with trio.open_nursery() as n:
@@ -80,7 +80,7 @@ class Striped(Generic[H]):
                 await trio.to_thread.run_sync(self.fetch, h, first, last, progress,
                                               limiter=self.limiter)
             except Exception as e:  # any failure drops the holder for this file
-                self.errors.setdefault(name, f"{type(e).__name__}: {e}")
+                self.errors.setdefault(name, e)
                 if progress.next < last:
                     self.todo.appendleft((progress.next, last))
             finally:

@@ -670,11 +670,21 @@ class PeerTier(Listener):
             peers = self.holders_of(node)
         striping = [p for p in peers if p.data_port]
         if self.bulk is not None and striping and size and node.block_crcs:
+            delivered = [0]
+
+            def counted(off: int, length: int) -> None:
+                delivered[0] += length
+                on_verified(off, length)
+
             try:
-                got = await self._striped(node, fd, striping, on_verified)
+                got = await self._striped(node, fd, striping, counted)
             except OSError as e:
-                self.stats.fetch_failures += 1
                 errors.append(f"data channel: {e}")
+                if delivered[0]:
+                    # gRPC writes a chunk before verifying it: it must not overwrite
+                    # blocks readers were told are good. The caller moves on (bucket).
+                    raise PeerFetchError(5, "no peer could deliver it (" + errors[0] + ")"
+                                         ) from None
                 self._error(f"fetching {self.ns.path_of(node)} over the data channel: {e}; "
                             "over gRPC instead")
             else:
@@ -729,9 +739,12 @@ class PeerTier(Listener):
         finally:
             for p in holders:
                 p.busy -= 1
-            for name, why in striped.errors.items():
+            for name, e in striped.errors.items():
                 self.stats.fetch_failures += 1
-                self._error(f"fetching {path} from {name} over the data channel: {why}")
+                if isinstance(e, IntegrityError):
+                    self.stats.integrity_errors += 1
+                self._error(f"fetching {path} from {name} over the data channel: "
+                            f"{type(e).__name__}: {e}")
         return by
 
     async def _fetch_from(self, p: Peer, node: Inode, fd: int, version: int, size: int,
