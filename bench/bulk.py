@@ -10,12 +10,12 @@ RAM-tier bookkeeping and FUSE.
 1. replication: host a writes a file (C writer, 1 MiB writes, fsync); the push
    alone (open to the peer's reply) is taken from a's log line "replicated P to
    N (B bytes, S s)"; close() to `replicas >= 1` is shown too.
-2. restore from one holder: host c, peered with a only (so a is its only live
-   holder of a file on a and b), reads the file with the C reader, open to
-   close, from an empty RAM tier; then host d, peered with a and b, reads another
-   (a striped restore from two holders).
+2. restore from one holder: a new host c, peered with a only (so a is its only
+   live holder of the file, held by a and b), reads it with the C reader, open
+   to close, from an empty RAM tier; then a new host d, peered with a and b,
+   reads it too (a striped restore from two holders).
 
-Each rep writes new files (untimed), so every restore starts with nothing local.
+Each rep writes a new file and starts new readers (untimed).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from common import BENCH_DIR, BenchError, Context, MiB, Row, code_version, err, mib_s, save_details
-from peers import Cluster, push_seconds, settle, state, wait_replicated
+from peers import Cluster, push_seconds, settle, state, status, wait_replicated
 from ramtier import _size
 
 DETAILS = BENCH_DIR / "results" / "bulk.json"
@@ -84,36 +84,42 @@ def group(ctx: Context) -> list[Row]:
     ref_dest = ctx.ref_dir() / "sendfile-dest"
     n = itertools.count()
     try:
-        a = cl.start("a", ["b", "c", "d"])
-        b = cl.start("b", ["a", "d"])
-        c = cl.start("c", ["a"], replicas=0)
-        d = cl.start("d", ["a", "b"], replicas=0)
-        for m, k in ((a, 1), (b, 1), (c, 1), (d, 2)):
-            cl.wait_live(m, k)
+        # a and b list only each other: a's replicas go to b. The readers (c: peered
+        # with a only, d: with a and b) start after the files are written (a does not
+        # broadcast to them; they pull its snapshot), with empty RAM tiers.
+        a = cl.start("a", ["b"])
+        b = cl.start("b", ["a"])
         for m in (a, b):
-            if not m.status()["peers"]["data_port"]:
+            cl.wait_live(m, 1)
+            if not status(m)["peers"]["data_port"]:
                 raise BenchError(f"{m.path}: no data channel (data_port)")
-        err.print("  hosts a, b (holders), c (peered with a), d (with a and b)", style="dim")
+        err.print("  hosts a, b (holders); per rep c (peered with a) and d (with a and b)",
+                  style="dim")
 
         def ours() -> tuple[float, float, float, float]:
             i = next(n)
-            names = [f"bulk-{i}-{j}.bin" for j in range(2)]
-            t_close = t_push = 0.0
-            for name in names:  # one for c, one for d: each restore starts empty
-                path = a.path / name
-                ctx.io.write(path, size, MiB, fsync=True)
-                t0 = time.monotonic()
-                t1 = wait_replicated(path)
-                t_close, t_push = t1 - t0, push_seconds(a, name)
+            name = f"bulk-{i}.bin"
+            path = a.path / name
+            ctx.io.write(path, size, MiB, fsync=True)
+            t0 = time.monotonic()
+            t1 = wait_replicated(path)
+            t_close, t_push = t1 - t0, push_seconds(a, name)
             settle(a, b)
-            if sorted(state(a.path / names[0])["holders"]) != ["a", "b"]:
-                raise BenchError(f"{names[0]} should be on a and b: {state(a.path / names[0])}")
-            t_one, got = ctx.io.read(c.path / names[0], MiB)
-            t_two, got2 = ctx.io.read(d.path / names[1], MiB)
-            if got != size or got2 != size:
-                raise BenchError(f"restores read {got} and {got2} bytes of {size}")
-            for name in names:
-                (a.path / name).unlink()
+            if sorted(state(path)["holders"]) != ["a", "b"]:
+                raise BenchError(f"{name} should be on a and b: {state(path)}")
+            c = cl.start(f"c{i}", ["a"], replicas=0)
+            d = cl.start(f"d{i}", ["a", "b"], replicas=0)
+            try:
+                t_one, got = ctx.io.read(c.path / name, MiB)
+                t_two, got2 = ctx.io.read(d.path / name, MiB)
+                if got != size or got2 != size:
+                    raise BenchError(f"restores read {got} and {got2} bytes of {size}")
+                if set(status(d)["fetch"]["bytes_by_source"]) != {"a", "b"}:
+                    raise BenchError(f"d read from {status(d)['fetch']['bytes_by_source']}")
+            finally:
+                cl.stop(f"c{i}")
+                cl.stop(f"d{i}")
+            path.unlink()
             settle(a, b)
             return (mib_s(size, t_push), mib_s(size, t_close), mib_s(size, t_one),
                     mib_s(size, t_two))
