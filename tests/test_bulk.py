@@ -404,3 +404,34 @@ def test_restore_survives_a_holder_lost_halfway(make_cluster, fault):
     assert sum(by_source.values()) == size, by_source
     assert by_source.get(c[victim].node_id, 0) < size, by_source
     assert s["integrity_errors"] == 0, s
+
+
+def test_tls_data_channel(tmp_path):
+    """With --tls-*: TLS with client certificates signed by the CA; a client without
+    one (or with another CA's) and a client speaking plain TCP get nothing."""
+    pytest.importorskip("cryptography")
+    from test_peer_security import make_ca, make_cert
+
+    ca, other = make_ca("mtcfs test CA"), make_ca("another CA")
+    cert, key = make_cert(ca, "node-a")
+    server_tls, client_tls = bulk.tls_contexts((cert, key, ca[2]))
+    host = Host(RamTier(str(tmp_path / "ram"), 64 * MiB))
+    server = BulkServer(host, host.run, Keys(TOKEN), ("127.0.0.1", 0), server_tls)
+    server.start()
+    try:
+        data = blob(7, BLOCK + 5)
+        fd = write_tmp(tmp_path, data)
+        stranger = bulk.tls_contexts((*make_cert(other, "stranger"), ca[2]))[1]
+        for tls in (stranger, None):  # another CA's certificate; no TLS at all
+            code, _, stored = BulkPool(Keys(TOKEN), tls, 1).push(
+                addr(server), fd, entry_for(data), "d/f", lambda: None)
+            assert (code, stored) == ("UNAVAILABLE", False)
+        wait_until(lambda: server.rejected == 2, 5)
+        untouched(host)
+        pool = BulkPool(Keys(TOKEN), client_tls, 1)
+        assert pool.push(addr(server), fd, entry_for(data), "d/f", lambda: None) == ("OK", "",
+                                                                                     True)
+        ino, _ = host.held["f1"]
+        assert Path(host.ram.path(ino)).read_bytes() == data
+    finally:
+        server.stop()

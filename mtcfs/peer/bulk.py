@@ -365,15 +365,16 @@ class BulkServer:
                              daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
+        raw = sock  # what stop() shuts down (a TLS socket wraps it)
         with self._lock:
-            self._conns.add(sock)
+            self._conns.add(raw)
         conn: Conn | None = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                sock.settimeout(HANDSHAKE_TIMEOUT)
-                sock = self.tls.wrap_socket(sock, server_side=True)
             try:
+                if self.tls is not None:
+                    sock.settimeout(HANDSHAKE_TIMEOUT)
+                    sock = self.tls.wrap_socket(sock, server_side=True)
                 conn = server_handshake(sock, self.keys)
             except (OSError, ssl.SSLError) as e:
                 self.rejected += 1
@@ -394,8 +395,10 @@ class BulkServer:
                 conn.close()
             with contextlib.suppress(OSError):
                 sock.close()
+            with contextlib.suppress(OSError):
+                raw.close()
             with self._lock:
-                self._conns.discard(sock)
+                self._conns.discard(raw)
             self.slots.release()
 
     def _request(self, conn: Conn, msg: dict[str, Any]) -> bool:
