@@ -351,10 +351,16 @@ def holders_and_reader(c: PeerCluster, rel: str) -> tuple[list[str], str]:
     return holders, next(n for n in c.hosts if n not in holders)
 
 
+def knows_data_ports(m: MtcfsMount) -> None:
+    wait_until(lambda: all(p["alive"] and p["data_port"] for p in pstatus(m)["peers"]), 10,
+               what=f"{m.node_id} knows its peers' data ports")
+
+
 def test_striped_restore_reads_from_every_holder(make_cluster):
     c = make_cluster(3, replicas=1)
     data = write(c["a"], "s/big", blob(21, 96 * MiB + 123))
     holders, reader = holders_and_reader(c, "s/big")
+    knows_data_ports(c[reader])
     assert (c[reader].path / "s/big").read_bytes() == data
     s = pstatus(c[reader])
     by_source = s["bytes_fetched_by_source"]
@@ -375,6 +381,7 @@ def test_restore_survives_a_holder_lost_halfway(make_cluster, fault):
     del data
     holders, reader = holders_and_reader(c, "h/big")
     victim = next(h for h in holders if h != "a") if fault == "sigstop" else "a"
+    knows_data_ports(c[reader])
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(file_crc(c[reader].path / "h/big")))
     t0 = time.monotonic()
@@ -435,3 +442,59 @@ def test_tls_data_channel(tmp_path):
         assert Path(host.ram.path(ino)).read_bytes() == data
     finally:
         server.stop()
+
+
+def test_mixed_cluster_falls_back_to_grpc(make_cluster):
+    """A host without a data channel (as an older version: data_port 0) gets and sends
+    replicas over gRPC; a reader with one stripes over the holders that have one."""
+    c = make_cluster(3, replicas=1, start=False)
+    c.define("b", extra=("--data-connections", "0"))
+    c.start("a", "b", "c")
+    a, b, reader = c["a"], c["b"], c["c"]
+    assert pstatus(b)["data_port"] is None and pstatus(a)["data_port"]
+    from_b = write(b, "m/from-b", blob(41, 6 * MiB + 7))
+    st = wait_until(lambda: (s := b.state("m/from-b"))["replicas"] == 1 and s, 30,
+                    what="b's file replicated")
+    assert pstatus(b)["replicas_sent"] == 1 and pstatus(b)["bulk_replicas_sent"] == 0
+    holder = next(m for m in (a, reader) if m.node_id in st["holders"])
+    assert held_by(holder, crc_of(from_b), len(from_b))
+    # A file on a whose replica went to b (over gRPC) or to c (over the channel).
+    from_a = write(a, "m/from-a", blob(42, 6 * MiB + 9))
+    st = wait_until(lambda: (s := a.state("m/from-a"))["replicas"] == 1 and s, 30,
+                    what="a's file replicated")
+    bulk_sent = pstatus(a)["bulk_replicas_sent"]
+    assert bulk_sent == (0 if "node-b" in st["holders"] else 1), (st, bulk_sent)
+    for m in (a, b, reader):
+        assert (m.path / "m/from-a").read_bytes() == from_a, m.node_id
+        assert (m.path / "m/from-b").read_bytes() == from_b, m.node_id
+    assert pstatus(b)["bulk_fetched_bytes"] == 0
+
+
+def test_replica_cut_short_by_a_killed_sender_is_not_kept(make_cluster):
+    """kill -9 of the writer mid-push: the receiver keeps nothing of it and counts no
+    copy; a read there fails (EIO: no copy is reachable), never wrong bytes."""
+    c = make_cluster(2, replicas=1)
+    a, b = c["a"], c["b"]
+    size = 256 * MiB
+    write(a, "k/big", b"".join(blob(51 + i, 64 * MiB) for i in range(4)))
+    incoming = b.ram_dir / "data" / ".incoming"
+
+    def partial() -> bool:
+        for p in incoming.iterdir():
+            try:
+                if 0 < p.stat().st_blocks * 512 < size * 3 // 4:
+                    return True
+            except FileNotFoundError:  # renamed into place meanwhile
+                pass
+        return False
+
+    wait_until(partial, 30, interval=0.001, what="a replica part-way to b")
+    c.kill9("a")
+    wait_until(lambda: not list(incoming.iterdir()), 15, what="b's .incoming emptied")
+    st = b.state("k/big")
+    if "node-b" in st["holders"]:
+        pytest.skip("the replica completed before the kill (too fast to cut)")
+    assert not [p for p in data_files(b.ram_dir) if p.stat().st_size == size], st
+    with pytest.raises(OSError) as err:
+        (b.path / "k/big").read_bytes()
+    assert err.value.errno == 5

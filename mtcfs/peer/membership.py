@@ -207,6 +207,10 @@ class Membership:
             return
         p.node_id = node_id
         self._alive(p)
+        if not p.data_port and self._nursery is not None:
+            # Alive without a health reply: its data channel's port is not known yet.
+            p.next_check = 0.0
+            self._nursery.start_soon(self.check, p)
 
     def failed(self, p: Peer, why: str, dead_now: bool = False) -> None:
         was_dead = p.known_dead
