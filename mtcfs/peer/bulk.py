@@ -65,6 +65,7 @@ CONTROL, DATA = b"C", b"B"
 HANDSHAKE_TIMEOUT = 5.0
 STALL_TIMEOUT = 5.0  # a connection with no progress for this long is dropped
 REPLY_TIMEOUT = 60.0  # the receiver's answer to a whole push (verification, commit)
+IDLE_TIMEOUT = 600.0  # a pooled connection with no request for this long is closed
 MAX_CONTROL = security.MAX_MESSAGE
 MAX_SERVER_CONNECTIONS = 64
 
@@ -381,10 +382,11 @@ class BulkServer:
                 log.warning("data channel: connection refused: %s", e)
                 return
             while not self._stopped:
+                conn.sock.settimeout(IDLE_TIMEOUT)  # kept in the client's pool meanwhile
                 try:
                     msg = conn.recv_control()
-                except BulkError:
-                    return  # closed by the client, the normal end
+                except (BulkError, TimeoutError):
+                    return  # closed by the client (the normal end), or idle too long
                 conn.sock.settimeout(STALL_TIMEOUT)
                 if not self._request(conn, msg):
                     return
