@@ -23,6 +23,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import bulk
 import commit
 import datapath
 import durable
@@ -74,6 +75,11 @@ GROUPS: dict[str, tuple[Group, str]] = {
         peers.group,
         "peer tier on loopback: replication and restore vs a raw gRPC stream, writes during "
         "replication, lookups, the replicated index with 8-64 nodes",
+    ),
+    "bulk": (
+        bulk.group,
+        "the bulk data channel: replication push, close->replica, restore from 1 holder and "
+        "striped over 2, vs a raw sendfile() stream between two Python processes",
     ),
     "lifecycle": (
         lifecycle.group,

@@ -234,11 +234,12 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     if members is not None:
         from mtcfs.peer.tier import PeerTier
 
+        bulk, bulk_server = _data_channel(opts)
         peers = PeerTier(ns, ram, copies, events, kernel, members, clock, retired,
                          node_id=opts.node_id, listen=opts.listen or "", replicas=replicas,
                          secret=_secret(opts), tls=_tls(opts),
                          failure_domain=opts.failure_domain or "",
-                         commit_timeout=opts.commit_timeout)
+                         commit_timeout=opts.commit_timeout, bulk=bulk, bulk_server=bulk_server)
     uploader = None
     if tier is not None:
         from mtcfs.persist.policy import PersistPolicy
@@ -279,6 +280,27 @@ def _membership(opts: MountOptions, events: Events) -> Any:
                           _secret(opts), _tls(opts), events)
     except (OSError, ValueError) as e:
         raise AssemblyError(f"peer tier: {e}") from None
+
+
+def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
+    """The bulk data channel's client pool, and how to make its server once the peer
+    tier runs (it calls into the trio thread); (None, None) with --data-connections 0."""
+    if not opts.data_connections:
+        return None, None
+    from mtcfs.config import data_listen_address
+    from mtcfs.peer.bulk import BulkPool, BulkServer, Keys, in_trio, tls_contexts
+
+    keys = Keys(_secret(opts))
+    try:
+        server_tls, client_tls = tls_contexts(_tls(opts))
+    except (OSError, ValueError) as e:
+        raise AssemblyError(f"data channel TLS: {e}") from None
+    listen = data_listen_address(opts)
+
+    def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
+        return BulkServer(handler, in_trio(token), keys, listen, server_tls)
+
+    return BulkPool(keys, client_tls, opts.data_connections), server
 
 
 def _secret(opts: MountOptions) -> bytes | None:

@@ -76,6 +76,9 @@ class MountOptions:
     tls_key: str | None = None
     tls_ca: str | None = None
     failure_domain: str | None = None
+    # The bulk data channel (mtcfs.peer.bulk): where it listens, connections per peer.
+    data_listen: str | None = None
+    data_connections: int = 4
     bucket: str | None = None
     gcs_endpoint: str | None = None
     persist: str | None = None
@@ -127,7 +130,7 @@ def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
     """TOML values have types: `daemon = "no"` must not mean true."""
     if name in ("daemon", "insecure"):
         ok, want = isinstance(value, bool), "true or false"
-    elif name in ("replicas", "keep_steps", "metrics_port"):
+    elif name in ("replicas", "keep_steps", "metrics_port", "data_connections"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh",
                   "commit_timeout"):
@@ -353,7 +356,8 @@ def read_token(path: str) -> bytes:
 def _validate_peers(opts: MountOptions) -> None:
     peered = bool(opts.listen or opts.peers or opts.peers_file)
     if not peered:
-        for name in ("replicas", "token_file", "tls_cert", "tls_key", "tls_ca", "failure_domain"):
+        for name in ("replicas", "token_file", "tls_cert", "tls_key", "tls_ca", "failure_domain",
+                     "data_listen"):
             if getattr(opts, name) is not None:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} needs --listen and --peers or --peers-file")
@@ -378,6 +382,11 @@ def _validate_peers(opts: MountOptions) -> None:
         opts.replicas = 1
     if not isinstance(opts.replicas, int) or opts.replicas < 0:
         raise ConfigError(f"invalid --replicas {opts.replicas!r}: a number >= 0")
+    if opts.data_listen is not None:
+        data_listen_address(opts)  # raises on a malformed address
+    if (not isinstance(opts.data_connections, int) or isinstance(opts.data_connections, bool)
+            or not 0 <= opts.data_connections <= 64):
+        raise ConfigError(f"invalid --data-connections {opts.data_connections!r}: 0-64")
     tls = [opts.tls_cert, opts.tls_key]
     if any(tls) and not all(tls):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
@@ -387,6 +396,23 @@ def _validate_peers(opts: MountOptions) -> None:
             if not os.path.isfile(path):
                 raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
             setattr(opts, name, os.path.abspath(path))
+
+
+def data_listen_address(opts: MountOptions) -> tuple[str, int]:
+    """Where the bulk data channel listens: --data-listen (port 0: any free port), else
+    the --listen host at the next port. Peers learn the port from health checks and
+    dial it at the host of our --listen address."""
+    if opts.data_listen:
+        text = opts.data_listen.strip()
+        if text.endswith(":0"):  # parse_address wants 1-65535; 0 means "any"
+            host, _ = parse_address(text[:-1] + "1", "--data-listen address")
+            return host, 0
+        return parse_address(text, "--data-listen address")
+    host, port = parse_address(opts.listen or "", "--listen address")
+    if port >= 65535:
+        raise ConfigError("--listen port 65535 leaves no port for the data channel: "
+                          "give --data-listen")
+    return host, port + 1
 
 
 def check_mountpoint(mountpoint: str) -> None:

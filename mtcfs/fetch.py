@@ -40,8 +40,9 @@ class PeerSource(Protocol):
     node_id: str
 
     async def download(self, node: Inode, fd: int,
-                       on_verified: Callable[[int, int], None]) -> str:
-        """Fill fd with the node's version from a holder; returns its node id."""
+                       on_verified: Callable[[int, int], None]) -> dict[str, int]:
+        """Fill fd with the node's version from its holders (blocks from several at
+        once); returns the bytes each holder (node id) delivered."""
         ...
 
 
@@ -187,7 +188,7 @@ class Fetcher(Listener):
             trio.from_thread.run_sync(f.add, off, length, trio_token=token)
 
         t0 = time.monotonic()
-        source = ""
+        sources: dict[str, int] = {}
         try:
             if node.size > self.ram.free:
                 # Readers wait while uploads or replication make room (bounded).
@@ -196,19 +197,19 @@ class Fetcher(Listener):
             if self.peers is not None and [h for h in node.holders
                                            if h != self.peers.node_id]:
                 try:
-                    source = await self.peers.download(node, fd, f.add)
+                    sources = await self.peers.download(node, fd, f.add)
                 except OSError as e:
                     if self.tier is None or not generation:
                         raise
                     log.warning("%s: %s; reading it from %s", key, e, self.tier.url)
-            if not source:
+            if not sources:
                 if self.tier is None or not generation:
                     raise OSError(errno.EIO, "no copy is reachable: not on a live peer"
                                   + ("" if self.tier is None else " nor in the durable tier"))
                 await trio.to_thread.run_sync(partial(
                     self.tier.download, key, fd, parallel=self.parallel,
                     on_verified=on_verified, generation=generation))
-                source = self.tier.url
+                sources = {self.tier.url: node.size}
         except IntegrityError as e:
             self.stats.integrity_errors += 1
             self._error(f"{key}: {e}")
@@ -225,8 +226,9 @@ class Fetcher(Listener):
                 self.copies.fetched(node)
             self.stats.fetched_files += 1
             self.stats.fetched_bytes += node.size
-            self.sources[source] = self.sources.get(source, 0) + node.size
-            log.info("fetched %s from %s (%d bytes) in %.2f s", key, source, node.size,
+            for source, n in sources.items():
+                self.sources[source] = self.sources.get(source, 0) + n
+            log.info("fetched %s from %s (%d bytes) in %.2f s", key, ", ".join(sources), node.size,
                      time.monotonic() - t0)
             f.finish()
         finally:

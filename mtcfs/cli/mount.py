@@ -48,6 +48,11 @@ from mtcfs.config import (
 @click.option("--tls-ca", metavar="FILE", help="CA that signed the peers' certificates (PEM)")
 @click.option("--failure-domain", metavar="LABEL",
               help="this host's failure domain (e.g. zone); replicas go to other domains first")
+@click.option("--data-listen", metavar="HOST:PORT",
+              help="where the bulk data channel (file bytes between peers, beside gRPC) "
+                   "listens; port 0: any free port  [default: the --listen host, its port + 1]")
+@click.option("--data-connections", type=int, metavar="N",
+              help="bulk data connections per peer (0: file bytes over gRPC)  [default: 4]")
 @click.option("--bucket", metavar="URL",
               help="durable tier: gs://bucket[/prefix] or file:///dir")
 @click.option("--gcs-endpoint", metavar="URL",

@@ -41,6 +41,7 @@ class Peer:
     failures: int = 0
     last_ok: float = 0.0
     ram_free: int = 0
+    data_port: int = 0  # its bulk data channel (mtcfs.peer.bulk); 0: gRPC only
     busy: int = 0  # transfers in flight to or from it
     removed: bool = False
     checking: bool = False
@@ -60,6 +61,7 @@ class Peer:
             "last_seen_seconds": round(time.time() - self.last_ok, 1) if self.last_ok else None,
             "ram_free": self.ram_free,
             "transfers": self.busy,
+            "data_port": self.data_port or None,
         }
 
 
@@ -183,6 +185,7 @@ class Membership:
             self.failed(p, "same node id", dead_now=True)
             return False
         p.node_id, p.domain, p.ram_free = reply.node_id, reply.failure_domain, reply.ram_free
+        p.data_port = reply.data_port
         self._alive(p)
         return True
 
@@ -204,6 +207,10 @@ class Membership:
             return
         p.node_id = node_id
         self._alive(p)
+        if not p.data_port and self._nursery is not None:
+            # Alive without a health reply: its data channel's port is not known yet.
+            p.next_check = 0.0
+            self._nursery.start_soon(self.check, p)
 
     def failed(self, p: Peer, why: str, dead_now: bool = False) -> None:
         was_dead = p.known_dead

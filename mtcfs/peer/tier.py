@@ -5,8 +5,11 @@
 - Each sealed file is pushed to K peers (mtcfs.peer.placement), in the
   background, with bounded concurrency; a replica counts once the receiver
   has verified it and stored it in its RAM tier.
-- Files whose data is elsewhere are fetched from a live holder, block by block
-  verified against the index's per-block crc32cs (mtcfs.fetch drives it).
+- Files whose data is elsewhere are fetched from their live holders, block by
+  block verified against the index's per-block crc32cs (mtcfs.fetch drives it).
+- File bytes move over the bulk data channel (mtcfs.peer.bulk) to and from
+  peers that offer one, striped over all holders for fetches
+  (mtcfs.peer.striped); over gRPC to and from peers that do not.
 
 Runs in the daemon's trio thread; blocking gRPC calls run in worker threads.
 """
@@ -28,7 +31,7 @@ from typing import Any
 import grpc
 import trio
 
-from mtcfs.checksums import BlockVerifier, IntegrityError
+from mtcfs.checksums import BLOCK, BlockVerifier, IntegrityError, block_count
 from mtcfs.events import Listener
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
@@ -36,11 +39,14 @@ from mtcfs.fs.writeclock import WriteClock
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.retired import RetiredSteps
 from mtcfs.peer import mover, placement
+from mtcfs.peer.addresses import parse_address
+from mtcfs.peer.bulk import BulkPool, BulkServer
 from mtcfs.peer.dissemination import Broadcaster, SendFailed
 from mtcfs.peer.index import Hooks, ReplicatedIndex
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.security import BadRequest, check_entry
 from mtcfs.peer.server import Refused, start_server
+from mtcfs.peer.striped import Progress, Striped
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.tiers.ram import RamTier
 
@@ -68,6 +74,8 @@ class Stats:
     fetched_files: int = 0
     fetched_bytes: int = 0
     fetch_failures: int = 0
+    bulk_replicas_sent: int = 0  # of replicas_sent, over the data channel
+    bulk_fetched_bytes: int = 0  # of fetched_bytes, over the data channel
     integrity_errors: int = 0
     batches_received: int = 0
     snapshots_pulled: int = 0
@@ -119,7 +127,11 @@ class PeerTier(Listener):
                  kernel: KernelCache, members: Membership, clock: WriteClock,
                  retired: RetiredSteps, *, node_id: str, listen: str, replicas: int,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None = None,
-                 failure_domain: str = "", commit_timeout: float = 10.0) -> None:
+                 failure_domain: str = "", commit_timeout: float = 10.0,
+                 bulk: BulkPool | None = None,
+                 bulk_server: Callable[[PeerTier, trio.lowlevel.TrioToken], BulkServer] | None
+                 = None
+                 ) -> None:
         self.ns = ns
         self.ram = ram
         self.copies = copies
@@ -141,6 +153,13 @@ class PeerTier(Listener):
         self.stats = Stats()
         self.server: grpc.Server | None = None
         self.port = 0
+        # The bulk data channel: connections to peers' (bulk) and our own server, made
+        # at start (it calls into the trio thread). None: file bytes over gRPC only.
+        self.bulk = bulk
+        self._make_bulk_server = bulk_server
+        self.bulk_server: BulkServer | None = None
+        self.data_port = 0
+        self._bulk_limiter = trio.CapacityLimiter(64)
         self.repl_queue: dict[int, Inode] = {}
         self.replicating: dict[int, Inode] = {}
         self._urgent: dict[int, int] = {}  # ino -> fsyncs waiting for its copies
@@ -163,6 +182,9 @@ class PeerTier(Listener):
         self.server, self.port = start_server(self, self.listen,
                                               trio.lowlevel.current_trio_token(),
                                               self.secret, self.tls)
+        if self._make_bulk_server is not None:
+            self.bulk_server = self._make_bulk_server(self, trio.lowlevel.current_trio_token())
+            self.data_port = self.bulk_server.start()
         await self.members.check_all()
         with trio.move_on_after(self.commit_timeout):
             while self.members.unresolved():
@@ -190,6 +212,10 @@ class PeerTier(Listener):
             self._mover.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.stop(grace=0.5)
+        if self.bulk_server is not None:
+            self.bulk_server.stop()
+        if self.bulk is not None:
+            self.bulk.close()
         self.members.close()
 
     # -- membership (Listener) --------------------------------------------------------
@@ -424,11 +450,59 @@ class PeerTier(Listener):
     async def _push(self, node: Inode, p: Peer) -> bool:
         entry = self.index.entry_of(node)
         path = self.ns.path_of(node)
-        size = node.size
         t0 = time.monotonic()
         p.busy += 1
         try:
-            code, details, stored = await trio.to_thread.run_sync(
+            code, details, stored = "", "", False
+            if self.bulk is not None and p.data_port and entry.block_crcs:
+                code, details, stored = await self._bulk_push(node, p, entry, path)
+                if code == "OK" and stored:
+                    self.stats.bulk_replicas_sent += 1
+                elif code == "UNAVAILABLE" and details.startswith("data channel"):
+                    # Its data port unreachable (a firewall?), its gRPC port is not.
+                    log.warning("replica of %s to %s: %s; over gRPC instead", path, p.node_id,
+                                details)
+                    code = ""
+            if not code:
+                code, details, stored = await self._grpc_push(node, p, entry, path)
+        finally:
+            p.busy -= 1
+        return self._pushed(node, p, entry, path, code, details, stored, t0)
+
+    async def _bulk_push(self, node: Inode, p: Peer, entry: pb.Entry,
+                         path: str) -> tuple[str, str, bool]:
+        """The replica over the data channel, from a worker thread (the kernel copies:
+        sendfile; per 4 MiB block only a MAC in Python, which releases the GIL)."""
+        assert self.bulk is not None
+        try:
+            fd = self.ram.open_read(node.ino)
+        except FileNotFoundError:
+            return "NOT_FOUND", "the file's data is gone here", False
+        urgent = self.urgent(node)
+        yielded = [0.0]
+
+        def yield_to_writes() -> None:
+            if not urgent:  # an fsync waits for this copy: its writer is blocked
+                yielded[0] += mover.pause_while_writing(self.clock.last_write,
+                                                        mover.MAX_YIELD - yielded[0])
+
+        try:
+            return await trio.to_thread.run_sync(
+                self.bulk.push, self._data_addr(p), fd, entry, path, yield_to_writes,
+                limiter=self._bulk_limiter)
+        finally:
+            os.close(fd)
+
+    def _data_addr(self, p: Peer) -> tuple[str, int]:
+        """A peer's data channel: the host of its --listen address, the port it said."""
+        return parse_address(p.addr, "peer address")[0], p.data_port
+
+    async def _grpc_push(self, node: Inode, p: Peer, entry: pb.Entry,
+                         path: str) -> tuple[str, str, bool]:
+        """The replica over gRPC, from a worker process (mtcfs.peer.mover)."""
+        size = node.size
+        try:
+            return await trio.to_thread.run_sync(
                 partial(self._pushes().submit(
                     mover.push, p.addr, self.tls, self.members.metadata,
                     entry.SerializeToString(), path, self.ram.path(node.ino), size,
@@ -436,9 +510,12 @@ class PeerTier(Listener):
                 limiter=self._limiter)
         except BrokenProcessPool:
             self._mover = None  # a worker died (killed?): a new pool next time
-            code, details, stored = "UNAVAILABLE", "the replication worker died", False
-        finally:
-            p.busy -= 1
+            return "UNAVAILABLE", "the replication worker died", False
+
+    def _pushed(self, node: Inode, p: Peer, entry: pb.Entry, path: str, code: str,
+                details: str, stored: bool, t0: float) -> bool:
+        """What a push's outcome means: a replica made, or why not."""
+        size = entry.size
         if code == "ALREADY_EXISTS":
             # It holds a verified copy of this version already (e.g. it read it
             # through): that copy counts.
@@ -563,7 +640,7 @@ class PeerTier(Listener):
                               failure_domain=self.failure_domain,
                               ram_capacity=self.ram.capacity,
                               ram_free=max(0, self.ram.capacity - self.ram.used),
-                              entries=len(self.ns.inodes))
+                              entries=len(self.ns.inodes), data_port=self.data_port)
 
     # -- fetching from holders -------------------------------------------------------
 
@@ -575,11 +652,13 @@ class PeerTier(Listener):
         return sorted(peers, key=lambda p: p.busy)
 
     async def download(self, node: Inode, fd: int,
-                       on_verified: Callable[[int, int], None]) -> str:
-        """Fill fd with the node's current version from a holder; each block is
+                       on_verified: Callable[[int, int], None]) -> dict[str, int]:
+        """Fill fd with the node's current version from its holders; each block is
         reported through on_verified (in this thread) once its crc32c matched.
-        Returns the node id it came from; raises PeerFetchError when no holder
-        could deliver it."""
+        Returns the bytes each holder (node id) delivered; raises PeerFetchError when
+        no holder could deliver it. Over the data channel, blocks come from every
+        holder that offers one at once (striped); else from one holder at a time over
+        gRPC, the next resuming where the last stopped."""
         version, size = node.version, node.size
         good = [0]  # bytes from offset 0 verified so far: the next holder resumes there
         errors = []
@@ -589,6 +668,30 @@ class PeerTier(Listener):
             # broadcast reached us before our next health round; ask now.
             await self.members.check_all(wait=True)
             peers = self.holders_of(node)
+        striping = [p for p in peers if p.data_port]
+        if self.bulk is not None and striping and size and node.block_crcs:
+            delivered = [0]
+
+            def counted(off: int, length: int) -> None:
+                delivered[0] += length
+                on_verified(off, length)
+
+            try:
+                got = await self._striped(node, fd, striping, counted)
+            except OSError as e:
+                errors.append(f"data channel: {e}")
+                if delivered[0]:
+                    # gRPC writes a chunk before verifying it: it must not overwrite
+                    # blocks readers were told are good. The caller moves on (bucket).
+                    raise PeerFetchError(5, "no peer could deliver it (" + errors[0] + ")"
+                                         ) from None
+                self._error(f"fetching {self.ns.path_of(node)} over the data channel: {e}; "
+                            "over gRPC instead")
+            else:
+                self.stats.fetched_files += 1
+                self.stats.fetched_bytes += size
+                self.stats.bulk_fetched_bytes += size
+                return got
         for p in peers:
             try:
                 await self._fetch_from(p, node, fd, version, size, good, on_verified)
@@ -603,9 +706,46 @@ class PeerTier(Listener):
                 continue
             self.stats.fetched_files += 1
             self.stats.fetched_bytes += size
-            return p.node_id
+            return {p.node_id: size}
         raise PeerFetchError(5, "no peer could deliver it (" + ("; ".join(errors) or
                                                                  "no live holder") + ")")
+
+    async def _striped(self, node: Inode, fd: int, holders: list[Peer],
+                       on_verified: Callable[[int, int], None]) -> dict[str, int]:
+        """Blocks from every holder at once (mtcfs.peer.striped), each verified (MAC and
+        crc32c) before it is written and reported; returns bytes per holder."""
+        assert self.bulk is not None
+        bulk = self.bulk
+        token = trio.lowlevel.current_trio_token()
+        guid, version, size = node.guid, node.version, node.size
+        path, crcs = self.ns.path_of(node), bytes(node.block_crcs or b"")
+        blocks = block_count(size)
+
+        def fetch(p: Peer, first: int, last: int, progress: Progress) -> None:
+            def verified(off: int, length: int) -> None:
+                progress.next = off // BLOCK + 1
+                progress.bytes += length
+                trio.from_thread.run_sync(on_verified, off, length, trio_token=token)
+
+            bulk.fetch(self._data_addr(p), fd, guid, version, path, size, crcs, first, last,
+                       verified)
+
+        for p in holders:
+            p.busy += 1
+        striped = Striped(fetch, blocks, bulk.connections, self._bulk_limiter,
+                          name=lambda p: p.node_id)
+        try:
+            by = await striped.run(holders)
+        finally:
+            for p in holders:
+                p.busy -= 1
+            for name, e in striped.errors.items():
+                self.stats.fetch_failures += 1
+                if isinstance(e, IntegrityError):
+                    self.stats.integrity_errors += 1
+                self._error(f"fetching {path} from {name} over the data channel: "
+                            f"{type(e).__name__}: {e}")
+        return by
 
     async def _fetch_from(self, p: Peer, node: Inode, fd: int, version: int, size: int,
                           good: list[int], on_verified: Callable[[int, int], None]) -> None:
@@ -665,6 +805,8 @@ class PeerTier(Listener):
             "batches_sent": self.broadcaster.stats.batches_sent,
             "entries_sent": self.broadcaster.stats.entries_sent,
             "index": self.index.status(),
+            "data_port": self.data_port or None,
+            "data_channel": self.bulk_server.status() if self.bulk_server is not None else None,
             **{k: v for k, v in vars(self.stats).items() if k != "last_error"},
             "last_error": self.stats.last_error or None,
         }

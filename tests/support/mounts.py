@@ -234,8 +234,9 @@ class PeerCluster:
         if peers is None:
             peers = [h for h in self.ports if h != name]
         addrs = [self.addr(p) if p in self.ports else p for p in peers]
-        args: tuple[str, ...] = ("--listen", self.addr(name), "--token-file",
-                                 str(self.token_file), "--replicas",
+        # The data channel on any free port (port + 1 may be another host's).
+        args: tuple[str, ...] = ("--listen", self.addr(name), "--data-listen", "127.0.0.1:0",
+                                 "--token-file", str(self.token_file), "--replicas",
                                  str(self.replicas if replicas is None else replicas))
         if addrs:
             args += ("--peers", ",".join(addrs))

@@ -17,20 +17,22 @@ class HealthRequest(_message.Message):
     def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., listen: _Optional[str] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("node_id", "lamport", "failure_domain", "ram_capacity", "ram_free", "entries")
+    __slots__ = ("node_id", "lamport", "failure_domain", "ram_capacity", "ram_free", "entries", "data_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAMPORT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     RAM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     RAM_FREE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lamport: int
     failure_domain: str
     ram_capacity: int
     ram_free: int
     entries: int
-    def __init__(self, node_id: _Optional[str] = ..., lamport: _Optional[int] = ..., failure_domain: _Optional[str] = ..., ram_capacity: _Optional[int] = ..., ram_free: _Optional[int] = ..., entries: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, node_id: _Optional[str] = ..., lamport: _Optional[int] = ..., failure_domain: _Optional[str] = ..., ram_capacity: _Optional[int] = ..., ram_free: _Optional[int] = ..., entries: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class Entry(_message.Message):
     __slots__ = ("id", "parent", "name", "mode", "uid", "gid", "mtime_ns", "ctime_ns", "size", "has_crc", "crc32c", "version", "holders", "target", "lamport", "writer", "removed", "block_size", "block_crcs", "persisted_version", "generation", "dropped", "rdev", "links", "author")

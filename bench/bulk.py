@@ -1,0 +1,158 @@
+"""The bulk data channel (mtcfs.peer.bulk) beside a raw sendfile() stream.
+
+Reference, measured in the same run: one Python process sendfile()s a file from
+/dev/shm over a loopback TCP connection to another Python process, which
+recv_into()s a reused 4 MiB buffer and pwrite()s it into a file on /dev/shm; the
+clock runs from connect() to the receiver's acknowledgement of the last byte.
+That is the floor of what the channel does per byte, without its MACs, crc32cs,
+RAM-tier bookkeeping and FUSE.
+
+1. replication: host a writes a file (C writer, 1 MiB writes, fsync); the push
+   alone (open to the peer's reply) is taken from a's log line "replicated P to
+   N (B bytes, S s)"; close() to `replicas >= 1` is shown too.
+2. restore from one holder: a new host c, peered with a only (so a is its only
+   live holder of the file, held by a and b), reads it with the C reader, open
+   to close, from an empty RAM tier; then a new host d, peered with a and b,
+   reads it too (a striped restore from two holders).
+
+Each rep writes a new file and starts new readers (untimed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import BENCH_DIR, BenchError, Context, MiB, Row, code_version, err, mib_s, save_details
+from peers import Cluster, push_seconds, settle, state, status, wait_replicated
+from ramtier import _size
+
+DETAILS = BENCH_DIR / "results" / "bulk.json"
+
+_RECEIVER = r"""
+import os, socket, sys
+dest, size = sys.argv[1], int(sys.argv[2])
+ls = socket.socket(); ls.bind(("127.0.0.1", 0)); ls.listen(1)
+print(ls.getsockname()[1], flush=True)
+s, _ = ls.accept()
+fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+buf = bytearray(4 << 20); view = memoryview(buf); off = 0
+while off < size:
+    n = s.recv_into(view[:min(len(buf), size - off)])
+    if not n:
+        sys.exit("short stream")
+    os.pwrite(fd, view[:n], off); off += n
+os.close(fd); s.sendall(b"k"); s.close()
+"""
+
+
+def sendfile_stream(src: Path, dest: Path) -> float:
+    """Seconds to move src into dest: sendfile() here, recv_into + pwrite in another
+    Python process (connect to acknowledgement)."""
+    size = src.stat().st_size
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(dest), str(size)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with open(src, "rb") as f:
+            t0 = time.monotonic()
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendfile(f)
+            if s.recv(1) != b"k":
+                raise BenchError("the sendfile reference's receiver failed")
+            t = time.monotonic() - t0
+            s.close()
+    finally:
+        proc.wait(timeout=60)
+        dest.unlink(missing_ok=True)
+    return t
+
+
+def group(ctx: Context) -> list[Row]:
+    size = ctx.size
+    details: dict[str, Any] = {"size": size, "reps": ctx.reps, "code": code_version()}
+    cl = Cluster(ctx)
+    ref_src = ctx.ref_dir() / "sendfile-src"
+    ctx.io.write(ref_src, size, MiB, fsync=True)
+    ref_dest = ctx.ref_dir() / "sendfile-dest"
+    n = itertools.count()
+    try:
+        # a and b list only each other: a's replicas go to b. The readers (c: peered
+        # with a only, d: with a and b) start after the files are written (a does not
+        # broadcast to them; they pull its snapshot), with empty RAM tiers.
+        a = cl.start("a", ["b"])
+        b = cl.start("b", ["a"])
+        for m in (a, b):
+            cl.wait_live(m, 1)
+            if not status(m)["peers"]["data_port"]:
+                raise BenchError(f"{m.path}: no data channel (data_port)")
+        err.print("  hosts a, b (holders); per rep c (peered with a) and d (with a and b)",
+                  style="dim")
+
+        def ours() -> tuple[float, float, float, float]:
+            i = next(n)
+            name = f"bulk-{i}.bin"
+            path = a.path / name
+            ctx.io.write(path, size, MiB, fsync=True)
+            t0 = time.monotonic()
+            t1 = wait_replicated(path)
+            t_close, t_push = t1 - t0, push_seconds(a, name)
+            settle(a, b)
+            if sorted(state(path)["holders"]) != ["a", "b"]:
+                raise BenchError(f"{name} should be on a and b: {state(path)}")
+            c = cl.start(f"c{i}", ["a"], replicas=0)
+            d = cl.start(f"d{i}", ["a", "b"], replicas=0)
+            try:
+                t_one, got = ctx.io.read(c.path / name, MiB)
+                t_two, got2 = ctx.io.read(d.path / name, MiB)
+                if got != size or got2 != size:
+                    raise BenchError(f"restores read {got} and {got2} bytes of {size}")
+                if set(status(d)["fetch"]["bytes_by_source"]) != {"a", "b"}:
+                    raise BenchError(f"d read from {status(d)['fetch']['bytes_by_source']}")
+            finally:
+                cl.stop(f"c{i}")
+                cl.stop(f"d{i}")
+            path.unlink()
+            settle(a, b)
+            return (mib_s(size, t_push), mib_s(size, t_close), mib_s(size, t_one),
+                    mib_s(size, t_two))
+
+        def theirs() -> float:
+            return mib_s(size, sendfile_stream(ref_src, ref_dest))
+
+        xs, ys = ctx.alternate(ours, theirs, label="bulk MiB/s (push, close->replica, "
+                                                   "restore 1 holder, 2 holders)")
+    finally:
+        ref_src.unlink(missing_ok=True)
+        for name in list(cl.hosts):
+            cl.stop(name)
+    details["bulk"] = {"push_mib_s": [x[0] for x in xs], "close_to_replica_mib_s":
+                       [x[1] for x in xs], "restore_one_holder_mib_s": [x[2] for x in xs],
+                       "restore_two_holders_mib_s": [x[3] for x in xs],
+                       "sendfile_stream_mib_s": ys}
+    save_details(DETAILS, details)
+    what = _size(size)
+    ref = dict(ref=ys, ref_label="sendfile", note="reference: sendfile() stream between two "
+               "Python processes on loopback, recv_into + pwrite into /dev/shm")
+    return [
+        Row("bulk", f"replication of a closed {what} file: the push (daemon log)", "MiB/s",
+            [x[0] for x in xs], min_ratio=0.7, **ref),
+        Row("bulk", f"replication of a closed {what} file: close() to replicas >= 1", "MiB/s",
+            [x[1] for x in xs], **ref),
+        Row("bulk", f"restore read of {what} from one holder (empty RAM tier)", "MiB/s",
+            [x[2] for x in xs], min_ratio=0.7, **ref),
+        Row("bulk", f"restore read of {what} striped over two holders", "MiB/s",
+            [x[3] for x in xs], **ref),
+    ]
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick look without bench/run.py
+    os.execv(sys.executable, [sys.executable, str(BENCH_DIR / "run.py"), "--only", "bulk",
+                              *sys.argv[1:]])

@@ -1,0 +1,628 @@
+"""The bulk data channel: file bytes between daemons over plain TCP (or TLS),
+beside gRPC, which stays the control plane (index, health, push offers).
+
+Through gRPC every 1 MiB chunk was a protobuf message built and parsed in
+Python; here the sender hands the kernel a sendfile() from the RAM file and
+the receiver recv_into()s a reused buffer and pwrite()s it, in threads that
+release the GIL while the kernel copies.
+
+Security is no weaker than the gRPC calls' token:
+
+- A connection counts only after a mutual challenge-response on the shared
+  token: the server sends a fresh random nonce, the client answers with its own
+  nonce and a keyed BLAKE3 MAC of both, the server answers with a MAC of both
+  too (under a different label). The token never travels; a recorded answer
+  replayed on a new connection fails, the server's nonce being new.
+- Every frame (control messages and data blocks) carries a keyed BLAKE3 MAC
+  under a per-connection key (derived from the token and both nonces) over the
+  direction, a frame counter, the frame's header and its bytes: a block cannot
+  be altered, replayed, reordered or reflected. A block counts only after its
+  MAC and its crc32c (against the index's block crc32cs) both matched; nothing
+  unverified is written.
+- With --tls-* the connection is TLS (the ssl module), like the gRPC channel.
+
+Wire format, after the handshake: frames of a 45-byte header (kind, offset,
+length, MAC) and `length` bytes. Kind C is a control message (JSON), kind B one
+block (4 MiB, the last one shorter) of the file at `offset`. Requests:
+`push` (a replica: header, blocks in order, `end`; the receiver verifies the
+whole file and answers) and `fetch` (a block range of a held file).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hmac
+import json
+import logging
+import os
+import select
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import google_crc32c
+from blake3 import blake3
+
+from mtcfs.checksums import BLOCK, BlockVerifier, IntegrityError, block_count
+from mtcfs.peer import mover, security
+from mtcfs.peer.security import BadRequest
+from mtcfs.peer.server import PeerHandler, Refused
+from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.tiers.ram import RamTierFull
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MTCFSBK1"
+NONCE = 32
+MAC = 32
+HEADER = struct.Struct("<cQI32s")  # kind, offset, length, MAC
+CONTROL, DATA = b"C", b"B"
+HANDSHAKE_TIMEOUT = 5.0
+STALL_TIMEOUT = 5.0  # a connection with no progress for this long is dropped
+REPLY_TIMEOUT = 60.0  # the receiver's answer to a whole push (verification, commit)
+IDLE_TIMEOUT = 600.0  # a pooled connection with no request for this long is closed
+MAX_CONTROL = security.MAX_MESSAGE
+MAX_SERVER_CONNECTIONS = 64
+
+
+class BulkError(OSError):
+    """The connection failed or its peer broke the protocol: it is dropped."""
+
+
+class AuthError(BulkError):
+    """The other side does not know the token (or replayed an old answer)."""
+
+
+class Remote(Exception):
+    """The other side refused a request: `code` is a gRPC status code name."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+class Keys:
+    """The handshake key and the data key, derived from the shared token with BLAKE3's
+    key derivation (distinct contexts). Without a token (--insecure) they derive from
+    nothing: integrity against accidents only, as the gRPC calls are then open too."""
+
+    def __init__(self, token: bytes | None) -> None:
+        secret = token or b""
+        self.auth = blake3(secret, derive_key_context="mtcfs 2026 bulk channel handshake").digest()
+        self.data = blake3(secret, derive_key_context="mtcfs 2026 bulk channel frames").digest()
+
+    def answer(self, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+        return blake3(label + server_nonce + client_nonce, key=self.auth).digest()
+
+    def session(self, server_nonce: bytes, client_nonce: bytes) -> bytes:
+        return blake3(server_nonce + client_nonce, key=self.data).digest()
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise BulkError("connection closed by the other side")
+        view = view[n:]
+
+
+class Conn:
+    """One authenticated connection: MAC'd frames both ways, a reused block buffer."""
+
+    def __init__(self, sock: socket.socket, key: bytes, client: bool) -> None:
+        self.sock = sock
+        self.key = key
+        self.out_dir, self.in_dir = (b"c", b"s") if client else (b"s", b"c")
+        self.sent = 0  # frames sent / received: each MAC covers its frame's number
+        self.received = 0
+        self.buf = bytearray(BLOCK)
+        self.view = memoryview(self.buf)
+        self._hdr = bytearray(HEADER.size)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def stale(self) -> bool:
+        """An idle connection with something to read was closed (or broken) by the other
+        side: not reused."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
+    def _mac(self, direction: bytes, seq: int, kind: bytes, offset: int,
+             data: memoryview | bytes) -> bytes:
+        h = blake3(key=self.key)
+        h.update(direction + struct.pack("<QcQI", seq, kind, offset, len(data)))
+        h.update(data)
+        return h.digest()
+
+    # -- sending ---------------------------------------------------------------------
+
+    def send_control(self, msg: dict[str, Any]) -> None:
+        body = json.dumps(msg, separators=(",", ":")).encode()
+        mac = self._mac(self.out_dir, self.sent, CONTROL, 0, body)
+        self.sent += 1
+        self.sock.sendall(HEADER.pack(CONTROL, 0, len(body), mac) + body)
+
+    def send_block(self, f: Any, fd: int, offset: int, length: int) -> None:
+        """One block of the open file `fd` (`f`: a file object over it): read once for
+        its MAC, then handed to the kernel (sendfile). Bytes that changed in between
+        fail the receiver's check: never counted there."""
+        view = self.view[:length]
+        if os.preadv(fd, [view], offset) != length:
+            raise BulkError(f"the file is shorter than {offset + length} bytes")
+        mac = self._mac(self.out_dir, self.sent, DATA, offset, view)
+        self.sent += 1
+        self.sock.sendall(HEADER.pack(DATA, offset, length, mac))
+        if self.sock.sendfile(f, offset, length) != length:
+            raise BulkError(f"the file is shorter than {offset + length} bytes")
+
+    # -- receiving -------------------------------------------------------------------
+
+    def recv_header(self) -> tuple[bytes, int, int, bytes]:
+        recv_exact(self.sock, memoryview(self._hdr))
+        kind, offset, length, mac = HEADER.unpack(self._hdr)
+        if kind not in (CONTROL, DATA):
+            raise BulkError(f"unknown frame kind {kind!r}")
+        if length > (MAX_CONTROL if kind == CONTROL else BLOCK):
+            raise BadRequest(f"frame of {length} bytes: too large")
+        return kind, offset, length, mac
+
+    def recv_body(self, kind: bytes, offset: int, length: int, mac: bytes) -> memoryview:
+        """The frame's bytes, once their MAC matched (BulkError otherwise)."""
+        view = memoryview(bytearray(length)) if kind == CONTROL else self.view[:length]
+        recv_exact(self.sock, view)
+        want = self._mac(self.in_dir, self.received, kind, offset, view)
+        self.received += 1
+        if not hmac.compare_digest(want, mac):
+            raise IntegrityError(f"bad MAC on the frame at {offset} ({length} bytes)")
+        return view
+
+    def recv_control(self) -> dict[str, Any]:
+        kind, offset, length, mac = self.recv_header()
+        if kind != CONTROL:
+            raise BulkError("a data block where a control message was due")
+        body = self.recv_body(kind, offset, length, mac)
+        try:
+            msg = json.loads(bytes(body))
+        except ValueError:
+            raise BadRequest("a control message that is not JSON") from None
+        if not isinstance(msg, dict):
+            raise BadRequest("a control message that is not an object")
+        return msg
+
+    def recv_reply(self) -> dict[str, Any]:
+        msg = self.recv_control()
+        if "error" in msg:
+            raise Remote(str(msg["error"]), str(msg.get("details", "")))
+        return msg
+
+
+# -- handshakes ----------------------------------------------------------------------
+
+
+def server_handshake(sock: socket.socket, keys: Keys) -> Conn:
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    server_nonce = os.urandom(NONCE)
+    sock.sendall(MAGIC + server_nonce)
+    got = bytearray(NONCE + MAC)
+    recv_exact(sock, memoryview(got))
+    client_nonce, answer = bytes(got[:NONCE]), bytes(got[NONCE:])
+    if not hmac.compare_digest(answer, keys.answer(b"client", server_nonce, client_nonce)):
+        raise AuthError("the client does not know the peer token")
+    sock.sendall(keys.answer(b"server", server_nonce, client_nonce))
+    sock.settimeout(STALL_TIMEOUT)
+    return Conn(sock, keys.session(server_nonce, client_nonce), client=False)
+
+
+def client_handshake(sock: socket.socket, keys: Keys) -> Conn:
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    hello = bytearray(len(MAGIC) + NONCE)
+    recv_exact(sock, memoryview(hello))
+    if bytes(hello[:len(MAGIC)]) != MAGIC:
+        raise BulkError("not an mtcfs data channel")
+    server_nonce, client_nonce = bytes(hello[len(MAGIC):]), os.urandom(NONCE)
+    sock.sendall(client_nonce + keys.answer(b"client", server_nonce, client_nonce))
+    answer = bytearray(MAC)
+    recv_exact(sock, memoryview(answer))
+    if not hmac.compare_digest(bytes(answer), keys.answer(b"server", server_nonce,
+                                                          client_nonce)):
+        raise AuthError("the server does not know the peer token")
+    sock.settimeout(STALL_TIMEOUT)
+    return Conn(sock, keys.session(server_nonce, client_nonce), client=True)
+
+
+# -- TLS -----------------------------------------------------------------------------
+
+
+def tls_contexts(tls: tuple[bytes, bytes, bytes | None] | None
+                 ) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(server, client) contexts from the same PEM certificate, key and CA as the gRPC
+    channel: with a CA, both sides must present a certificate it signed; without,
+    servers are checked against the system's roots (as gRPC does) and clients are not."""
+    if tls is None:
+        return None, None
+    cert, key, ca = tls
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    # load_cert_chain reads files only: a private copy for the moment it reads them.
+    with tempfile.TemporaryDirectory(prefix="mtcfs-tls-") as d:
+        cert_path, key_path = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+        for path, data in ((cert_path, cert), (key_path, key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        server.load_cert_chain(cert_path, key_path)
+        client.load_cert_chain(cert_path, key_path)
+    if ca is not None:
+        server.verify_mode = ssl.CERT_REQUIRED
+        server.load_verify_locations(cadata=ca.decode())
+        client.load_verify_locations(cadata=ca.decode())
+    else:
+        client.load_default_certs()
+    return server, client
+
+
+# -- the server ----------------------------------------------------------------------
+
+
+def in_trio(token: Any) -> Callable[..., Any]:
+    """Run a handler method in the daemon's trio thread (from a connection's thread)."""
+    import trio
+
+    def run(fn: Callable[..., Any], *args: Any) -> Any:
+        return trio.from_thread.run_sync(fn, *args, trio_token=token)
+
+    return run
+
+
+
+def _code_of(e: BaseException) -> str:
+    if isinstance(e, BadRequest):
+        return "INVALID_ARGUMENT"
+    if isinstance(e, Refused):
+        return e.code.name
+    if isinstance(e, RamTierFull):
+        return "RESOURCE_EXHAUSTED"
+    if isinstance(e, IntegrityError):
+        return "DATA_LOSS"
+    return "UNAVAILABLE"
+
+
+class BulkServer:
+    """Accepts data connections on `listen`; a thread per connection (bounded) serves
+    its requests one after the other. What touches the namespace runs through
+    `in_owner` (the daemon: in its trio thread), like the gRPC service."""
+
+    def __init__(self, handler: PeerHandler, in_owner: Callable[..., Any], keys: Keys,
+                 listen: tuple[str, int], tls: ssl.SSLContext | None = None,
+                 max_connections: int = MAX_SERVER_CONNECTIONS) -> None:
+        self.handler = handler
+        self.in_owner = in_owner
+        self.keys = keys
+        self.tls = tls
+        self.slots = threading.BoundedSemaphore(max_connections)
+        family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind(listen)
+        except OSError as e:
+            self.sock.close()
+            raise OSError(e.errno, f"data channel: cannot listen on {listen[0]}:{listen[1]}: "
+                                   f"{e.strerror}") from None
+        self.sock.listen(128)
+        self.port: int = self.sock.getsockname()[1]
+        self.rejected = 0  # connections refused at the handshake
+        self.refused = 0  # requests refused (bad, out of range, bad MAC or crc32c, full)
+        self.pushes_received = 0  # replicas stored
+        self.bytes_received = 0
+        self.bytes_served = 0
+        self._stopped = False
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
+
+    def status(self) -> dict[str, int]:
+        return {"port": self.port, "handshakes_refused": self.rejected,
+                "requests_refused": self.refused, "replicas_received": self.pushes_received,
+                "bytes_received": self.bytes_received, "bytes_served": self.bytes_served}
+
+    def start(self) -> int:
+        self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        with self._lock:
+            for s in list(self._conns):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                if self._stopped:
+                    return
+                continue
+            if not self.slots.acquire(blocking=False):
+                sock.close()  # too many connections: the client falls back or retries
+                continue
+            threading.Thread(target=self._serve, args=(sock,), name="bulk-conn",
+                             daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        raw = sock  # what stop() shuts down (a TLS socket wraps it)
+        with self._lock:
+            self._conns.add(raw)
+        conn: Conn | None = None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                if self.tls is not None:
+                    sock.settimeout(HANDSHAKE_TIMEOUT)
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                conn = server_handshake(sock, self.keys)
+            except (OSError, ssl.SSLError) as e:
+                self.rejected += 1
+                log.warning("data channel: connection refused: %s", e)
+                return
+            while not self._stopped:
+                conn.sock.settimeout(IDLE_TIMEOUT)  # kept in the client's pool meanwhile
+                try:
+                    msg = conn.recv_control()
+                except (BulkError, TimeoutError):
+                    return  # closed by the client (the normal end), or idle too long
+                conn.sock.settimeout(STALL_TIMEOUT)
+                if not self._request(conn, msg):
+                    return
+        except Exception as e:  # a broken connection must not take the server down
+            log.warning("data channel: connection dropped: %s", e)
+        finally:
+            if conn is not None:
+                conn.close()
+            with contextlib.suppress(OSError):
+                sock.close()
+            with contextlib.suppress(OSError):
+                raw.close()
+            with self._lock:
+                self._conns.discard(raw)
+            self.slots.release()
+
+    def _request(self, conn: Conn, msg: dict[str, Any]) -> bool:
+        """Serve one request; False when the connection must be dropped (a refusal in the
+        middle of a stream leaves it out of step)."""
+        op = msg.get("op")
+        try:
+            if op == "push":
+                self._push(conn, msg)
+            elif op == "fetch":
+                self._fetch(conn, msg)
+            else:
+                raise BadRequest(f"unknown request {str(op)[:40]!r}")
+            return True
+        except (BulkError, ssl.SSLError, TimeoutError):
+            self.refused += op == "push"  # a replica cut short (or a bad MAC): not stored
+            raise
+        except Exception as e:
+            self.refused += 1
+            if not isinstance(e, (BadRequest, Refused, RamTierFull, IntegrityError)):
+                log.exception("data channel: %s failed", op)
+            with contextlib.suppress(OSError):
+                conn.send_control({"error": _code_of(e), "details": str(e)[:500]})
+            return False
+
+    # -- push (a replica arriving) ---------------------------------------------------
+
+    def _push(self, conn: Conn, msg: dict[str, Any]) -> None:
+        try:
+            e = pb.Entry.FromString(base64.b64decode(str(msg.get("entry", "")), validate=True))
+        except ValueError:
+            raise BadRequest("a push needs its entry") from None
+        path = str(msg.get("path", ""))
+        security.check_entry(e)
+        security.check_path(path)
+        if e.removed or not e.has_crc or not e.block_crcs:
+            raise BadRequest("a pushed file needs its crc32c and block crc32cs")
+        verify = BlockVerifier(e.size, e.crc32c, bytes(e.block_crcs))
+        key, tmp = self.in_owner(self.handler.begin_receive, e)
+        ok = False
+        try:
+            conn.send_control({"ok": True})
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            yielded = 0.0
+            try:
+                while True:
+                    kind, offset, length, mac = conn.recv_header()
+                    if kind == CONTROL:
+                        end = conn.recv_body(kind, offset, length, mac)
+                        if json.loads(bytes(end)).get("op") != "end":
+                            raise BadRequest("expected the end of the push")
+                        break
+                    if offset != verify.offset or length != min(BLOCK, e.size - offset):
+                        raise BadRequest(f"block at {offset} of {length} bytes; expected "
+                                         f"{verify.offset} of {min(BLOCK, e.size - offset)}")
+                    data = bytes(conn.recv_body(kind, offset, length, mac))
+                    verify.feed(data)  # raises IntegrityError on a bad crc32c
+                    os.pwrite(fd, data, offset)
+                    self.bytes_received += length
+                    # This host's trainer is writing: let it have the CPU (bounded).
+                    yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
+                verify.finish()
+            finally:
+                os.close(fd)
+            conn.sock.settimeout(REPLY_TIMEOUT)
+            ok = self.in_owner(self.handler.finish_receive, e, key, tmp)
+        except Exception as exc:
+            log.warning("replica of %s from %s rejected: %s", path, e.writer, exc)
+            raise
+        finally:
+            if not ok:  # refused, failed or cut: give back the space reserved
+                self.in_owner(self.handler.abort_receive, key, tmp)
+        self.pushes_received += bool(ok)
+        conn.send_control({"ok": True, "stored": bool(ok)})
+
+    # -- fetch (a reader elsewhere) --------------------------------------------------
+
+    def _fetch(self, conn: Conn, msg: dict[str, Any]) -> None:
+        guid, path = str(msg.get("id", "")), str(msg.get("path", ""))
+        version, offset, length = (msg.get(k, 0) for k in ("version", "offset", "length"))
+        security.check_id(guid)
+        security.check_path(path)
+        if not all(isinstance(v, int) and 0 <= v < security.MAX_COUNTER
+                   for v in (version, offset, length)):
+            raise BadRequest("bad version, offset or length")
+        if offset % BLOCK:
+            raise BadRequest(f"offset {offset} is not on a block boundary")
+        fd, size = self.in_owner(self.handler.open_for_fetch, guid, version)
+        try:
+            if offset > size:
+                raise BadRequest(f"offset {offset} is beyond the file's {size} bytes")
+            end = size if length == 0 else min(size, offset + length)
+            conn.send_control({"ok": True, "size": size})
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                for off in range(offset, end, BLOCK):
+                    conn.send_block(f, fd, off, min(BLOCK, end - off))
+                    self.bytes_served += min(BLOCK, end - off)
+        finally:
+            os.close(fd)
+
+
+# -- the client side -----------------------------------------------------------------
+
+
+class BulkPool:
+    """Connections to peers' data channels: at most `connections` per peer, kept open
+    and reused; used from worker threads (every call blocks)."""
+
+    def __init__(self, keys: Keys, tls: ssl.SSLContext | None, connections: int) -> None:
+        self.keys = keys
+        self.tls = tls
+        self.connections = connections
+        self._idle: dict[tuple[str, int], list[Conn]] = {}
+        self._slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for conns in self._idle.values():
+                for c in conns:
+                    c.close()
+            self._idle.clear()
+
+    @contextlib.contextmanager
+    def conn(self, addr: tuple[str, int], wait: float = STALL_TIMEOUT) -> Iterator[Conn]:
+        """An authenticated connection to `addr`, back to the pool after a clean use and
+        dropped after any error (it may be out of step)."""
+        with self._lock:
+            slots = self._slots.setdefault(addr, threading.BoundedSemaphore(self.connections))
+        if not slots.acquire(timeout=wait):
+            raise BulkError(f"all {self.connections} data connections to {addr[0]}:{addr[1]} "
+                            f"are busy")
+        try:
+            c = self._take(addr) or self._open(addr)
+            try:
+                yield c
+            except BaseException:
+                c.close()
+                raise
+            c.sock.settimeout(STALL_TIMEOUT)
+            with self._lock:
+                self._idle.setdefault(addr, []).append(c)
+        finally:
+            slots.release()
+
+    def _take(self, addr: tuple[str, int]) -> Conn | None:
+        while True:
+            with self._lock:
+                idle = self._idle.get(addr)
+                c = idle.pop() if idle else None
+            if c is None or not c.stale():
+                return c
+            c.close()
+
+    def _open(self, addr: tuple[str, int]) -> Conn:
+        sock = socket.create_connection(addr, timeout=HANDSHAKE_TIMEOUT)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=addr[0])
+            return client_handshake(sock, self.keys)
+        except BaseException:
+            sock.close()
+            raise
+
+    # -- requests --------------------------------------------------------------------
+
+    def push(self, addr: tuple[str, int], fd: int, entry: pb.Entry, path: str,
+             yield_to_writes: Callable[[], None]) -> tuple[str, str, bool]:
+        """Push one replica (fd: the file, open); returns (status code name, details,
+        stored) as the gRPC push does."""
+        size = entry.size
+        try:
+            with self.conn(addr) as c:
+                c.send_control({"op": "push", "path": path,
+                                "entry": base64.b64encode(entry.SerializeToString()).decode()})
+                c.recv_reply()
+                try:
+                    with open(fd, "rb", buffering=0, closefd=False) as f:
+                        for off in range(0, size, BLOCK):
+                            yield_to_writes()
+                            c.send_block(f, fd, off, min(BLOCK, size - off))
+                    c.send_control({"op": "end"})
+                except OSError:
+                    # Refused mid-stream (a block that did not verify)? Its answer says why.
+                    c.sock.settimeout(1.0)
+                    c.recv_reply()
+                    raise
+                c.sock.settimeout(REPLY_TIMEOUT)
+                reply = c.recv_reply()
+            return "OK", "", bool(reply.get("stored"))
+        except Remote as e:
+            return e.code, e.details, False
+        except (OSError, ssl.SSLError, IntegrityError, BadRequest) as e:
+            return "UNAVAILABLE", f"data channel: {e}", False
+
+    def fetch(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
+              size: int, block_crcs: bytes, first: int, last: int,
+              on_block: Callable[[int, int], None]) -> None:
+        """Blocks [first, last) of a held file into fd at their offsets, each written
+        only once its MAC and crc32c matched, then reported through on_block (in this
+        thread). Raises BulkError, Remote or IntegrityError (the connection is dropped;
+        blocks reported so far stay good)."""
+        if len(block_crcs) != 4 * block_count(size):
+            raise IntegrityError("the block crc32cs do not match the file's size")
+        want = struct.unpack_from(f"<{last - first}I", block_crcs, 4 * first)
+        offset, end = first * BLOCK, min(size, last * BLOCK)
+        with self.conn(addr) as c:
+            c.send_control({"op": "fetch", "id": guid, "version": version, "path": path,
+                            "offset": offset, "length": end - offset})
+            reply = c.recv_reply()
+            if reply.get("size") != size:
+                raise Remote("FAILED_PRECONDITION", f"{reply.get('size')} bytes there, "
+                                                    f"{size} here")
+            for i, off in enumerate(range(offset, end, BLOCK)):
+                kind, got, length, mac = c.recv_header()
+                if kind != DATA or got != off or length != min(BLOCK, end - off):
+                    raise BulkError(f"block at {got} of {length} bytes; expected {off}")
+                data = bytes(c.recv_body(kind, got, length, mac))
+                if google_crc32c.value(data) != want[i]:
+                    e = IntegrityError(f"block at {off}: crc32c mismatch")
+                    e.bad_range = (off, off + length)
+                    raise e
+                os.pwrite(fd, data, off)
+                on_block(off, length)
