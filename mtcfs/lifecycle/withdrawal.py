@@ -25,6 +25,7 @@ sides merge when the link heals).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".mtcfs-withdrawn"
 _SUFFIX = SUFFIX.encode()
 INTERVAL = 5.0  # a pass runs when peers come or go, when copies change, and this often
+REINSTATE_AFTER = 10.0  # seconds every file of a withdrawn step must have had a copy
 
 
 class Withdrawal(Listener):
@@ -61,6 +63,8 @@ class Withdrawal(Listener):
         self.withdrawn = 0
         self.reinstated = 0
         self._wake = trio.Event()
+        self._recovering: dict[int, float] = {}  # withdrawn step dir -> whole again since
+        self._wake_at = math.inf  # a pass due then (a reinstatement's grace ends)
         # Observers (metrics): called once per step withdrawn.
         self.observers: list[Callable[[], None]] = []
 
@@ -77,8 +81,10 @@ class Withdrawal(Listener):
 
     async def run(self) -> None:
         while True:
-            with trio.move_on_after(INTERVAL):
+            with trio.move_on_after(max(0.0, min(INTERVAL,
+                                                 self._wake_at - trio.current_time()))):
                 await self._wake.wait()
+            self._wake_at = math.inf
             self._wake = trio.Event()
             await trio.sleep(0.2)  # coalesce a burst of changes (a host's many files)
             try:
@@ -110,10 +116,24 @@ class Withdrawal(Listener):
             lost = [f for f in files_under(ns, d) if self.lost(f)]
             if lost:
                 await self._withdraw(d, lost)
+        now = trio.current_time()
+        recovering = {}
         for d in [n for n in list(ns.inodes.values()) if n.is_dir and n.linked
                   and self.hidden_markers(n)]:
-            if not any(self.lost(f) for f in files_under(ns, d)):
+            if any(self.lost(f) for f in files_under(ns, d)):
+                continue
+            # A host replaced by an empty one under the same node id is live again
+            # before its "I hold none of these" reaches us: its old holder entries
+            # make the lost files look back. Reinstated only once that has held for
+            # a while, so a withdrawal does not flap (each flap renames the step's
+            # objects in the bucket back and forth).
+            since = recovering[d.ino] = self._recovering.get(d.ino, now)
+            if now - since >= REINSTATE_AFTER:
+                del recovering[d.ino]
                 await self._reinstate(d)
+            else:
+                self._wake_at = min(self._wake_at, since + REINSTATE_AFTER)
+        self._recovering = recovering
 
     def _inside_step(self, d: Inode) -> bool:
         """`d` lies inside a committed or withdrawn step (Orbax's item directories carry

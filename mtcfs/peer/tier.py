@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import random
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -676,8 +677,9 @@ class PeerTier(Listener):
                 delivered[0] += length
                 on_verified(off, length)
 
+            failed: dict[str, BaseException] = {}  # holder -> why, on the data channel
             try:
-                got = await self._striped(node, fd, striping, counted)
+                got = await self._striped(node, fd, striping, counted, failed)
             except OSError as e:
                 errors.append(f"data channel: {e}")
                 if delivered[0]:
@@ -685,8 +687,14 @@ class PeerTier(Listener):
                     # blocks readers were told are good. The caller moves on (bucket).
                     raise PeerFetchError(5, "no peer could deliver it (" + errors[0] + ")"
                                          ) from None
+                # A holder that timed out on the data channel (stopped, or cut off) would
+                # time out over gRPC too: only the others are asked again.
+                stalled = {n for n, x in failed.items()
+                           if isinstance(x, (TimeoutError, socket.timeout))}
+                peers = [p for p in peers if p.node_id not in stalled]
                 self._error(f"fetching {self.ns.path_of(node)} over the data channel: {e}; "
-                            "over gRPC instead")
+                            "over gRPC instead" + (f" (not from {', '.join(sorted(stalled))}: "
+                                                   "no answer)" if stalled else ""))
             else:
                 self.stats.fetched_files += 1
                 self.stats.fetched_bytes += size
@@ -711,7 +719,8 @@ class PeerTier(Listener):
                                                                  "no live holder") + ")")
 
     async def _striped(self, node: Inode, fd: int, holders: list[Peer],
-                       on_verified: Callable[[int, int], None]) -> dict[str, int]:
+                       on_verified: Callable[[int, int], None],
+                       failed: dict[str, BaseException]) -> dict[str, int]:
         """Blocks from every holder at once (mtcfs.peer.striped), each verified (MAC and
         crc32c) before it is written and reported; returns bytes per holder."""
         assert self.bulk is not None
@@ -737,6 +746,7 @@ class PeerTier(Listener):
         try:
             by = await striped.run(holders)
         finally:
+            failed.update(striped.errors)
             for p in holders:
                 p.busy -= 1
             for name, e in striped.errors.items():
