@@ -111,6 +111,34 @@ def test_a_write_open_that_changes_nothing_keeps_the_version(mnt):
     assert mnt.state("f")["version"] == v
 
 
+def test_close_after_fsync_does_not_checksum_again_unless_written(mnt):
+    """close() of a file fsynced and not written since keeps the fsync's seal (no second
+    pass on the close path); a write after the fsync, even one the same instant, is
+    caught (the RAM file's ctime moved) and sealed at close."""
+    data = blob(7, 32 * MiB)
+    fd = os.open(mnt.path / "a", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, data)
+    os.fsync(fd)
+    seals = mnt.status()["seals"]
+    os.close(fd)
+    # One checksum after the fsync's: the release's (any mapping is gone then), not one
+    # in close() as well.
+    wait_until(lambda: mnt.status()["seals"] > seals, timeout=10, what="the release's seal")
+    time.sleep(0.5)
+    assert mnt.status()["seals"] == seals + 1
+    st = mnt.state("a")
+    assert st["crc32c"] == crc(data) and st["version"] == 1
+    for i in range(20):  # a write right after the fsync's stat: never missed
+        fd = os.open(mnt.path / f"b{i}", os.O_WRONLY | os.O_CREAT)
+        os.write(fd, data[:MiB])
+        os.fsync(fd)
+        os.pwrite(fd, b"late", i)
+        os.close(fd)
+        want = data[:i] + b"late" + data[i + 4:MiB]
+        assert (mnt.path / f"b{i}").read_bytes() == want
+        assert mnt.state(f"b{i}")["crc32c"] == crc(want), i
+
+
 def test_mmap_write_close_munmap_then_the_checksum_matches(mnt):
     """A shared writable mapping outlives close(): the file is checksummed when it is
     gone, never while its data can still change unseen."""

@@ -504,8 +504,8 @@ def _release(child: subprocess.Popen) -> None:
 
 def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
     """Outcomes the random model run reaches only now and then, checked every time: a
-    user's mkdir in a directory it cannot write (EACCES), and its rename of another
-    user's file out of a sticky directory (EPERM), while its own file there moves."""
+    user's mkdir in a directory it cannot write (EACCES), and its rename or unlink of
+    another user's file in a sticky directory (EPERM), while its own file there moves."""
     mnt = make_mount(extra=("-o", "allow_other"))
     p = mnt.path
     (p / "closed").mkdir(mode=0o755)
@@ -519,6 +519,8 @@ def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
         "    assert e.errno == errno.EACCES, e\nelse:\n    raise AssertionError('mkdir')\n"
         "try:\n    os.rename('sticky/roots', 'sticky/mine')\nexcept OSError as e:\n"
         "    assert e.errno == errno.EPERM, e\nelse:\n    raise AssertionError('rename')\n"
+        "try:\n    os.unlink('sticky/roots')\nexcept OSError as e:\n"
+        "    assert e.errno == errno.EPERM, e\nelse:\n    raise AssertionError('unlink')\n"
         "open('sticky/own', 'w').close()\n"
         "os.rename('sticky/own', 'sticky/own2')\n"))
     assert sorted(os.listdir(p / "sticky")) == ["own2", "roots"]

@@ -159,6 +159,10 @@ class Filesystem(Listener):
         self._next_fh = 1
         self._crc: dict[int, StreamingCrc] = {}
         self._sealing: Counter[int] = Counter()  # inodes with a checksum pass in flight
+        # Passthrough: the RAM file's (size, ctime) taken just before the checksum pass of
+        # its last seal. tmpfs stamps ctime in fine grain once it was queried, so any write
+        # after that stat changes it: an equal stamp means the sealed data is unchanged.
+        self._seal_stamp: dict[int, tuple[int, int]] = {}
         self.stats = Stats()
         # True once any file carries security.capability: until then the
         # kernel's per-write capability probe is answered without a lookup.
@@ -248,6 +252,7 @@ class Filesystem(Listener):
         if node.is_file:
             self.ram.remove(node.ino)
             self._crc.pop(node.ino, None)
+            self._seal_stamp.pop(node.ino, None)
         if node.lookups == 0 and self.ns.get(node.ino) is node:
             self.ns.drop(node)
         elif node.is_file:
@@ -773,7 +778,10 @@ class Filesystem(Listener):
             # A passthrough writer that ran into the limit got ENOSPC from the kernel, not
             # from us: its close is where the daemon can notice.
             self.space.check_full()
-        if node.writers <= 1 and (node.dirty or (h.backing and node.pt_changed)):
+        # Fsynced, then closed without a write since: that seal stands (the release,
+        # after any mapping is gone, checksums it once more, off the close() path).
+        unchanged = h.backing and not node.dirty and self._unchanged_since_seal(node)
+        if node.writers <= 1 and not unchanged and (node.dirty or (h.backing and node.pt_changed)):
             if h.backing and not visible:
                 self.refresh(node)
                 if node.state != SEALING:
@@ -786,6 +794,16 @@ class Filesystem(Listener):
             await self._visible(node, "close of")
         if h.sync and not node.dirty:
             await self._durable(node)
+
+    def _unchanged_since_seal(self, node: Inode) -> bool:
+        stamp = self._seal_stamp.get(node.ino)
+        if stamp is None or node.state != CLOSED:
+            return False
+        try:
+            st = self.ram.stat(node.ino)
+        except FileNotFoundError:
+            return False
+        return (st.st_size, st.st_ctime_ns) == stamp
 
     async def fsync(self, fh: int) -> None:
         """fsync(): seal what was written so far as a version, and return once every
@@ -834,6 +852,7 @@ class Filesystem(Listener):
         self.ram.release(node.ino)
         if node.opens == 0 and node.ino not in self._sealing:
             self._crc.pop(node.ino, None)  # (a seal's pass in flight keeps its stream)
+            self._seal_stamp.pop(node.ino, None)
             node.fsynced = False
         self._maybe_drop(node)
 
@@ -841,9 +860,15 @@ class Filesystem(Listener):
         if not node.linked:
             node.dirty = False
             return
+        stamp = None
         if node.pt_changed:
             self.refresh(node)  # written through passthrough: the RAM file says how big
             self._crc[node.ino] = StreamingCrc(valid=False)
+            try:
+                st = self.ram.stat(node.ino)  # before the pass: a later write changes it
+                stamp = (st.st_size, st.st_ctime_ns)
+            except FileNotFoundError:
+                pass
         stream = self._crc_for(node)
         crc, blocks = stream.result(node.size), stream.blocks(node.size)
         while crc is None or blocks is None:
@@ -873,6 +898,10 @@ class Filesystem(Listener):
                 break
             self._crc[node.ino] = StreamingCrc(crc, node.size, blocks=blocks)
         self._seal_now(node, crc, blocks)
+        if stamp is not None and stamp[0] == node.size:
+            self._seal_stamp[node.ino] = stamp
+        else:
+            self._seal_stamp.pop(node.ino, None)
 
     def _seal_now(self, node: Inode, crc: int, blocks: bytes | None = b"") -> None:
         # Opened for writing but unchanged (e.g. a read-write open that only read): the
