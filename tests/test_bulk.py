@@ -323,6 +323,7 @@ def held_by(m: MtcfsMount, crc: int, size: int) -> bool:
 def test_replication_over_the_data_channel(make_cluster):
     c = make_cluster(3, replicas=2)
     a = c["a"]
+    knows_data_ports(a)  # (learned from the peers' health replies, a moment after start)
     files = {"r/one": b"\x5a", "r/five": blob(11, 5 * MiB), "r/nine": blob(12, 9 * MiB + 1)}
     for rel, data in files.items():
         write(a, rel, data)

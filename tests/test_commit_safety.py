@@ -259,7 +259,8 @@ def test_rename_of_a_persisted_directory_then_whole_job_loss(make_cluster, tmp_p
             (m.path / "step_7" / f"{tag}{i}.bin").write_bytes(data)
             files[f"{tag}{i}.bin"] = data
     for name in files:
-        wait_until(lambda n=name: a.state(f"step_7/{n}")["persisted"], timeout=30)
+        wait_until(lambda n=name: ((a.path / "step_7" / n).exists()  # (b's files arrive
+                                   and a.state(f"step_7/{n}")["persisted"]), timeout=30)
     (a.path / "archive").mkdir()
     os.rename(a.path / "step_7", a.path / "archive" / "step_7")  # holds b's files too
     for name in files:

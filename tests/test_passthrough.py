@@ -217,6 +217,9 @@ def test_full_tier_enospc_and_writers_that_wait_for_room(make_mount, make_gcs_se
     assert e.value.errno == errno.ENOSPC
     os.unlink(m.path / "huge")
     wait_until(lambda: m.status()["lifecycle"]["full_under_passthrough"] >= 1, timeout=10)
+    # Its space comes back once the kernel has released its last handle (asynchronous).
+    wait_until(lambda: m.status()["ram"]["free"] > 56 * MiB, timeout=10,
+               what="the removed file's space back")
     assert "the RAM tier is full" in m.log()
     # The bucket goes away; unpersisted data fills the tier: nothing can be evicted yet.
     server.kill()
