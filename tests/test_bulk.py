@@ -24,7 +24,6 @@ import google_crc32c
 import grpc
 import pytest
 
-from mtcfs import control
 from mtcfs.checksums import BLOCK, pack_crcs
 from mtcfs.peer import bulk
 from mtcfs.peer.bulk import HEADER, BulkPool, BulkServer, Keys
@@ -32,7 +31,17 @@ from mtcfs.peer.server import Refused
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.tiers.ram import RamTier
 
-from support.mounts import MtcfsMount, PeerCluster, blob, crc_of, data_files, wait_until
+from support.mounts import (
+    MtcfsMount,
+    PeerCluster,
+    blob,
+    crc_of,
+    data_files,
+    file_crc,
+    pstatus,
+    wait_until,
+    write,
+)
 
 MiB = 1 << 20
 TOKEN = b"a-shared-token-of-32-bytes-12345"
@@ -294,25 +303,6 @@ def test_fetched_block_with_bad_mac_is_not_written(channel, tmp_path):
 # -- real daemons --------------------------------------------------------------------------------
 
 
-def pstatus(m: MtcfsMount) -> dict:
-    return control.request(str(m.path), "status")["status"]["peers"]
-
-
-def write(m: MtcfsMount, rel: str, data: bytes) -> bytes:
-    path = m.path / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        for off in range(0, len(data), 8 * MiB):
-            f.write(data[off:off + 8 * MiB])
-    return data
-
-
-def file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * MiB):
-            crc = google_crc32c.extend(crc, chunk)
-    return crc
 
 
 def held_by(m: MtcfsMount, crc: int, size: int) -> bool:

@@ -22,13 +22,22 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-import google_crc32c
 import pytest
 
-from mtcfs import control
 from mtcfs.peer import placement
 
-from support.mounts import MtcfsMount, PeerCluster, blob, crc_of, data_files, mtcfs, wait_until
+from support.mounts import (
+    MtcfsMount,
+    PeerCluster,
+    blob,
+    crc_of,
+    data_files,
+    file_crc,
+    mtcfs,
+    pstatus,
+    wait_until,
+    write,
+)
 
 MiB = 1 << 20
 
@@ -43,12 +52,6 @@ def hexcrc(data: bytes) -> str:
     return f"{crc_of(data):08x}"
 
 
-def file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * MiB):
-            crc = google_crc32c.extend(crc, chunk)
-    return crc
 
 
 def state(m: MtcfsMount, rel: str) -> dict | None:
@@ -65,18 +68,8 @@ def read(m: MtcfsMount, rel: str) -> bytes | None:
         return None
 
 
-def write(m: MtcfsMount, rel: str, data: bytes) -> bytes:
-    path = m.path / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        for off in range(0, len(data), 8 * MiB):
-            f.write(data[off:off + 8 * MiB])
-    return data
 
 
-def pstatus(m: MtcfsMount) -> dict:
-    """The peers section of the daemon's status (over the control socket: fast)."""
-    return control.request(str(m.path), "status")["status"]["peers"]
 
 
 def wait_state(m: MtcfsMount, rel: str, pred: Callable[[dict], bool], timeout: float = 30.0,

@@ -26,6 +26,7 @@ from typing import Any
 
 import google_crc32c
 
+from mtcfs import control
 from mtcfs.config import mount_entry
 
 MTCFS = [sys.executable, "-m", "mtcfs"]
@@ -315,3 +316,27 @@ class PeerCluster:
 
         with ThreadPoolExecutor(max(1, len(self.all))) as pool:
             list(pool.map(stop, self.all))
+
+
+def file_crc(path: Path) -> int:
+    """crc32c of a file, read in 8 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = google_crc32c.extend(crc, chunk)
+    return crc
+
+
+def write(m: MtcfsMount, rel: str, data: bytes) -> bytes:
+    """Write `data` to `rel` on mount `m` in 8 MiB writes (parents made); returns it."""
+    path = m.path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for off in range(0, len(data), 8 << 20):
+            f.write(data[off:off + (8 << 20)])
+    return data
+
+
+def pstatus(m: MtcfsMount) -> dict:
+    """The peers section of the daemon's status (over the control socket: fast)."""
+    return control.request(str(m.path), "status")["status"]["peers"]
