@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,13 @@ import trio
 
 from mtcfs.fs.filesystem import FsError
 
-from support.inprocess import Host
+from support.inprocess import Host, until
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
 MiB = 1 << 20
 
 
-async def until(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await trio.sleep(0.01)
 
 
 async def save_step(h: Host, n: int, files: int = 3, size: int = 100_000) -> dict[str, bytes]:

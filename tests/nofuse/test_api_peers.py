@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import google_crc32c
 import pytest
 import trio
 
-from support.inprocess import Host
+from support.inprocess import Host, until
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
@@ -24,12 +23,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def until(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await trio.sleep(0.01)
 
 
 async def pair(make_host, **cli) -> tuple[Host, Host]:

@@ -60,7 +60,6 @@ import queue
 import random
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -73,6 +72,8 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
+
+from mtcfs.control import request_socket
 
 if __package__ in (None, ""):  # run as a script (make chaos): tests/ holds `support`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -168,21 +169,9 @@ def gcs_crc(data: bytes) -> str:
 
 
 def control(sock: Path, op: str, timeout: float = 10.0, **args: Any) -> dict:
-    """A request on a daemon's control socket (never through the mount: it may be frozen)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(sock))
-        s.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            buf += chunk
-    reply = json.loads(buf)
-    if not reply.get("ok"):
-        raise RuntimeError(reply.get("error", "request failed"))
-    return reply
+    """A request on a daemon's control socket (never through the mount: it may be frozen).
+    Raises ControlError (a RuntimeError) when the daemon cannot be reached or refuses."""
+    return request_socket(str(sock), op, timeout=timeout, **args)
 
 
 class Journal:

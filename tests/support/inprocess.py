@@ -5,7 +5,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from typing import Any
+
+import trio
 
 from mtcfs.assembly import Mount
 from mtcfs.fs.filesystem import FsError, NeedRoom
@@ -133,3 +136,12 @@ class Host:
 
     def mode(self, path: str) -> int:
         return stat.S_IMODE(self.node(path).mode)
+
+
+async def until(cond, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll cond() under trio until it is true; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await trio.sleep(0.01)
