@@ -262,7 +262,8 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     retention = (Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
                  if opts.keep_steps else None)
     # With peers, a committed step whose file lost its last copy is withdrawn.
-    withdrawal = (Withdrawal(fs, copies, rules, members.live_nodes, members.job_size)
+    withdrawal = (Withdrawal(fs, copies, rules, members.live_nodes, members.job_size,
+                             members.down_for)
                   if members is not None else None)
 
     events.register(*[x for x in (fs, lags, uploader, peers, fetcher, space, durability,

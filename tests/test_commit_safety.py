@@ -211,6 +211,33 @@ def test_orbax_multihost_save_then_restore_swapped_on_fresh_mounts(make_cluster,
         c.close()
 
 
+@pytest.mark.parametrize("how", ["umount", "kill9"])
+def test_steps_survive_a_whole_job_restart_over_intact_ram(make_cluster, tmp_path, how):
+    """Both daemons go down over their RAM dirs (a node-pool restart, a bad rollout) and
+    come back one after the other: the first one up finds its peer dead, and that peer
+    holds the only copy of its rank's shard of every step. Nothing is withdrawn, and
+    the restarted job resumes from the newest step."""
+    c = make_cluster(2, replicas=0)  # each host holds its own rank's shards only
+    a, b = c["a"], c["b"]
+    run_dcp([a, b], "1,2", tmp_path)
+    assert a.state("step_2/__1_0.distcp")["holders"] == ["node-b"]
+    for name in ("a", "b"):
+        if how == "kill9":
+            c.kill9(name)
+        else:
+            c[name].stop()
+    c.restart("a")
+    time.sleep(4)  # a is live and has found b dead
+    assert b.proc is not None and b.proc.poll() is not None
+    c.restart("b")
+    outs = run_dcp([a, b], "0", tmp_path)
+    assert all("resumed 2" in o for o in outs), outs
+    for m in (a, b):
+        assert sorted(n for n in os.listdir(m.path) if n.startswith("step_")) == [
+            "step_1", "step_2"]
+        assert "withdrew" not in m.log()
+
+
 def test_orbax_step_that_lost_its_only_copy_is_withdrawn(make_cluster, orbax_ready, tmp_path):
     """The primary host dies with the only copy of its process's files of step 2 (the
     other host never read them; the primary reads everyone's files to finalize, so its

@@ -14,6 +14,13 @@ copy) and `mtcfs steps` shows it on every host, since it is read from the
 names; should a lost file come back (its holder rejoins with its RAM intact),
 the step is reinstated under its own names.
 
+A holder counts as gone only once it has been down for WITHDRAW_AFTER seconds
+as this host sees it: a frozen daemon, a cut link or a daemon restarting over
+its intact RAM dir comes back with its copies within that, and a withdrawal
+meanwhile would rename a healthy step back and forth (and split it when the
+other side of a cut renamed too). A restarting job that reads the step in that
+window finds the lost shard missing and restarts once more.
+
 One host acts (the live host with the smallest node id): every host computes
 the same choice from the same index. Only a host that sees at least half of the
 job's hosts alive (itself included) acts: a host cut off from the others sees
@@ -47,24 +54,28 @@ SUFFIX = ".mtcfs-withdrawn"
 _SUFFIX = SUFFIX.encode()
 INTERVAL = 5.0  # a pass runs when peers come or go, when copies change, and this often
 REINSTATE_AFTER = 10.0  # seconds every file of a withdrawn step must have had a copy
+WITHDRAW_AFTER = 15.0  # seconds every holder of a lost file must have been down
 
 
 class Withdrawal(Listener):
     """Acts through the filesystem (`fs`): its renames are renames on the mount,
-    which every host hears of. `live_nodes`: the node ids of the live peers."""
+    which every host hears of. `live_nodes`: the node ids of the live peers;
+    `down_for(node_id)`: seconds since that node was last seen alive."""
 
     def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
-                 live_nodes: Callable[[], list[str]], job_size: Callable[[], int]) -> None:
+                 live_nodes: Callable[[], list[str]], job_size: Callable[[], int],
+                 down_for: Callable[[str], float]) -> None:
         self.fs = fs
         self.copies = copies
         self.rules = rules
         self.live_nodes = live_nodes
+        self.down_for = down_for
         self.job_size = job_size  # hosts of the job, this one included, live or not
         self.withdrawn = 0
         self.reinstated = 0
         self._wake = trio.Event()
         self._recovering: dict[int, float] = {}  # withdrawn step dir -> whole again since
-        self._wake_at = math.inf  # a pass due then (a reinstatement's grace ends)
+        self._wake_at = math.inf  # a pass due then (a grace ends)
         # Observers (metrics): called once per step withdrawn.
         self.observers: list[Callable[[], None]] = []
 
@@ -105,18 +116,33 @@ class Withdrawal(Listener):
     def lost(self, f: Inode) -> bool:
         return self.copies.lost(f)
 
+    def gone_in(self, f: Inode) -> float:
+        """Seconds until `f` counts as gone for good: 0 once it has, inf while a copy
+        is reachable (its holders may still come back before then)."""
+        if not self.lost(f):
+            return math.inf
+        waits = [WITHDRAW_AFTER - self.down_for(h) for h in f.holders
+                 if h != self.copies.node_id]
+        return max([0.0, *waits])
+
     async def pass_once(self) -> None:
         if not self.acting():
             return
         ns = self.fs.ns
+        now = trio.current_time()
         for d in all_steps(ns, self.rules):
             if (not self.rules.is_committed_step(ns, d) or d.name.endswith(_SUFFIX)
                     or self._inside_step(d)):
                 continue
-            lost = [f for f in files_under(ns, d) if self.lost(f)]
+            lost = []
+            for f in files_under(ns, d):
+                wait = self.gone_in(f)
+                if wait == 0:
+                    lost.append(f)
+                elif wait < math.inf:
+                    self._wake_at = min(self._wake_at, now + wait)
             if lost:
                 await self._withdraw(d, lost)
-        now = trio.current_time()
         recovering = {}
         for d in [n for n in list(ns.inodes.values()) if n.is_dir and n.linked
                   and self.hidden_markers(n)]:

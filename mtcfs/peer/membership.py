@@ -101,6 +101,7 @@ class Membership:
         self._file_mtime = 0.0
         self._limiter = trio.CapacityLimiter(64)
         self._nursery: trio.Nursery | None = None
+        self._started = time.time()
         self.sync_addresses()
 
     # -- addresses -------------------------------------------------------------------
@@ -145,6 +146,18 @@ class Membership:
 
     def live_nodes(self) -> list[str]:
         return [p.node_id for p in self.peers.values() if p.alive and p.node_id]
+
+    def down_for(self, node_id: str) -> float:
+        """Seconds since `node_id` was last seen alive by this daemon (0 while it is).
+        A node not seen since this daemon started counts from the start, and not at
+        all while a configured peer has not answered yet (it may be that node)."""
+        seen = [p for p in self.peers.values() if p.node_id == node_id]
+        if any(p.alive for p in seen):
+            return 0.0
+        if not seen and self.unresolved():
+            return 0.0
+        last = max([self._started, *(p.last_ok for p in seen)])
+        return max(0.0, time.time() - last)
 
     def by_node(self, node_id: str) -> Peer | None:
         for p in self.peers.values():

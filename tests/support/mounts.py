@@ -221,7 +221,9 @@ class PeerCluster:
         tag = name if n == 0 else f"{name}{n}"
         mp = self.root / f"mnt-{tag}"
         mp.mkdir()
-        return mp, self.ram_root / f"ram-{tag}"
+        # Each cluster its own RAM dirs: a test's second cluster starts empty, not over
+        # the metadata of the first one's (whose tmpfs close() unmounted).
+        return mp, self.ram_root / f"{self.root.name}-ram-{tag}"
 
     def define(self, name: str, *, node_id: str | None = None,
                peers: list[str] | None = None, extra: tuple[str, ...] = (),
