@@ -93,14 +93,6 @@ SETID = stat.S_ISUID | stat.S_ISGID
 # While listed, the model does not make the calls that trigger them (counted as
 # "(known bug, not run)"); remove an entry once the bug is fixed.
 KNOWN_BUGS = {
-    "chown-keeps-setid": "chown(f, -1, -1) of a set-user-ID file leaves S_ISUID (and a "
-                         "group-executable S_ISGID); Linux clears them on every chown",
-    "sgid-kept-for-non-member": "a write, truncate or chown by a user outside the file's group "
-                                "leaves S_ISGID without group-execute; Linux clears it",
-    "o-trunc-keeps-setid": "open(O_TRUNC) by an unprivileged user leaves set-id bits",
-    "passthrough-write-keeps-setid": "passthrough: an unprivileged write leaves set-id bits "
-                                     "when the file is open with passthrough (by a reader, "
-                                     "or a writer opened before the bits were set)",
     "write-past-max": "a write past MAX_FILE_SIZE succeeds (passthrough: the file grows "
                       "beyond it; fuse: close() fails with EIO and the data is lost)",
     "writeback-kills-setid": "fuse: the kernel writes cached pages back through any writable "
@@ -388,28 +380,8 @@ def _stat(path: str, follow: bool = True) -> os.stat_result | None:
         return None
 
 
-def _sgid_for_non_member(s: os.stat_result | None) -> bool:
-    """Set-group-ID without group-execute, of a group the second user is not in: Linux
-    clears it when that user writes, truncates or chowns the file."""
-    return (s is not None and stat.S_ISREG(s.st_mode) and bool(s.st_mode & stat.S_ISGID)
-            and not s.st_mode & stat.S_IXGRP and s.st_gid != USER)
-
-
 def _setid_file(s: os.stat_result | None) -> bool:
     return s is not None and stat.S_ISREG(s.st_mode) and bool(s.st_mode & SETID)
-
-
-def _chown_bug(s: os.stat_result | None, uid: int, gid: int, by_user: bool) -> str | None:
-    """The known bug a chown of this (a non-directory of any type) would run into."""
-    if s is None or stat.S_ISDIR(s.st_mode):
-        return None
-    if uid == gid == -1 and (s.st_mode & stat.S_ISUID or s.st_mode & stat.S_ISGID
-                             and s.st_mode & stat.S_IXGRP):
-        return "chown-keeps-setid"
-    if (by_user and s.st_mode & stat.S_ISGID and not s.st_mode & stat.S_IXGRP
-            and s.st_gid != USER):
-        return "sgid-kept-for-non-member"
-    return None
 
 
 # -- the second user ------------------------------------------------------------------------
@@ -848,9 +820,6 @@ class PosixModel(RuleBasedStateMachine):
     def chown(self, data: st.DataObject, uid: int, gid: int, follow: bool) -> None:
         path = self.pick(data, "any")
         before = _stat(os.path.join(self.r, path), follow)
-        bug = _chown_bug(before, uid, gid, by_user=False)
-        if bug is not None and self.avoid(bug, True):
-            return
         self.both(f"{'' if follow else 'l'}chown({path!r}, {uid}, {gid})",
                   lambda root: os.chown(os.path.join(root, path), uid, gid,
                                         follow_symlinks=follow))
@@ -1118,9 +1087,6 @@ class PosixModel(RuleBasedStateMachine):
     def user_open(self, data: st.DataObject, flags: int, mode: int) -> None:
         path = self.pick_for_user(data, "file", prefer=data.draw(
             st.sampled_from(("new", "in writable dir", "writable")), label="prefer"))
-        s = _stat(os.path.join(self.r, path))
-        if self.avoid("o-trunc-keeps-setid", bool(flags & os.O_TRUNC) and _setid_file(s)):
-            return
         self.as_user(f"user open{self.sticky_tag(path)}",
                      f"open({path!r}, {flags:#o}, {mode:o})", "open", path, flags, mode,
                      watch=path)
@@ -1130,15 +1096,9 @@ class PosixModel(RuleBasedStateMachine):
         # off -1: O_APPEND
         path = self.pick_for_user(data, "file", prefer="writable")
         s = _stat(os.path.join(self.r, path))
-        if s is not None and stat.S_ISREG(s.st_mode):
-            if (s.st_size if off < 0 else off) + len(payload) > MAX_FILE_SIZE:
-                return  # (writes past the limit are the root rules')
-            if payload and self.avoid("sgid-kept-for-non-member", _sgid_for_non_member(s)):
-                return
-            if payload and self.avoid("passthrough-write-keeps-setid",
-                                      self.data_path == "passthrough" and _setid_file(s)
-                                      and self._open_elsewhere(s.st_ino)):
-                return
+        if (s is not None and stat.S_ISREG(s.st_mode)
+                and (s.st_size if off < 0 else off) + len(payload) > MAX_FILE_SIZE):
+            return  # (writes past the limit are the root rules')
         self.as_user("user write", f"{'append' if off < 0 else 'pwrite'}({path!r}, "
                      f"<{len(payload)} bytes>, off={off})", "write", path, off, payload.hex(),
                      watch=path)
@@ -1147,8 +1107,6 @@ class PosixModel(RuleBasedStateMachine):
     def user_truncate(self, data: st.DataObject, size: int) -> None:
         path = self.pick_for_user(data, "file", prefer="writable")
         s = _stat(os.path.join(self.r, path))
-        if self.avoid("sgid-kept-for-non-member", _sgid_for_non_member(s)):
-            return
         desc = f"truncate({path!r}, {size})"
         if size > MAX_FILE_SIZE:
             got, want = self.user("truncate", path, size)
@@ -1231,10 +1189,6 @@ class PosixModel(RuleBasedStateMachine):
         if which == "chmod":
             self.as_user("user chmod", f"chmod({path!r}, {mode:o})", "chmod", path, mode)
             return
-        s = _stat(os.path.join(self.r, path))
-        bug = _chown_bug(s, uid, gid, by_user=True)
-        if bug is not None and self.avoid(bug, True):
-            return
         self.as_user("user chown", f"chown({path!r}, {uid}, {gid})", "chown", path, uid, gid,
                      watch=path)
 
@@ -1245,9 +1199,6 @@ class PosixModel(RuleBasedStateMachine):
     @rule(target=user_fds, data=st.data(), flags=user_fd_flags, mode=user_create_modes)
     def user_open_fd(self, data: st.DataObject, flags: int, mode: int):
         path = self.pick_for_user(data, "file", prefer="writable")
-        if self.avoid("o-trunc-keeps-setid", bool(flags & os.O_TRUNC)
-                      and _setid_file(_stat(os.path.join(self.r, path)))):
-            return multiple()
         if (self.data_path == "fuse" and "writeback-kills-setid" in self.known_bugs
                 and flags & os.O_ACCMODE != os.O_RDONLY):
             for pair in self.pairs:  # (root's cached writes go out through root's handles)
@@ -1269,16 +1220,6 @@ class PosixModel(RuleBasedStateMachine):
         return any(pair.open and pair.flags & os.O_ACCMODE != os.O_RDONLY
                    and (s := self._user_fd_stat(pair)) is not None and s[4] == ino
                    for pair in self.user_pairs)
-
-    def _open_elsewhere(self, ino: int) -> bool:
-        """Whether an open fd (root's or the second user's) has this reference inode."""
-        for pair in self.pairs:
-            if pair.open and os.fstat(pair.fd_r).st_ino == ino:
-                return True
-        for pair in self.user_pairs:
-            if pair.open and (s := self._user_fd_stat(pair)) is not None and s[4] == ino:
-                return True
-        return False
 
     def _user_fd_stat(self, pair: Pair) -> tuple[int, int, int, int, int] | None:
         """The reference file's mode, gid, size, the fd's offset and the file's inode
@@ -1304,12 +1245,6 @@ class PosixModel(RuleBasedStateMachine):
             mode, gid, size, pos, _ = s
             if (size if pair.flags & os.O_APPEND else pos) + len(payload) > MAX_FILE_SIZE:
                 return  # (writes past the limit are the root rules')
-            if self.avoid("sgid-kept-for-non-member", bool(mode & stat.S_ISGID)
-                          and not mode & stat.S_IXGRP and gid != USER):
-                return
-            if self.avoid("passthrough-write-keeps-setid",
-                          self.data_path == "passthrough" and bool(mode & SETID)):
-                return
             if mode & SETID:
                 COVERAGE[("user fd write", "on a set-id file")] += 1
         before = s[0] if s is not None else 0
@@ -1322,11 +1257,6 @@ class PosixModel(RuleBasedStateMachine):
             self.user("fsync", pair.fd_r)  # (its cached pages go out now, through its handle)
 
     def _user_fd_truncate(self, pair: Pair, size: int) -> None:
-        s = self._user_fd_stat(pair)
-        if s is not None and self.avoid("sgid-kept-for-non-member", stat.S_ISREG(s[0])
-                                        and bool(s[0] & stat.S_ISGID)
-                                        and not s[0] & stat.S_IXGRP and s[1] != USER):
-            return
         self.as_user("user fd ftruncate", f"ftruncate({size}) on {pair!r}", "ftruncate",
                      pair.fd_r, size)
 
@@ -1401,11 +1331,8 @@ RARE = {
     ("user unlink[sticky]", "EPERM"): "test_a_user_is_refused_where_tmpfs_refuses",
     ("fd ftruncate", "EFBIG (tmpfs: ok)"):
         "test_huge_lengths_fail_at_once_and_sparse_files_are_cheap",
-}
-# Expected outcomes the model cannot produce while a known bug is listed (and only
-# reached on some data paths): outcome -> (bug, data path).
-BLOCKED_BY_BUG = {
-    ("user fd write", "cleared set-id"): ("passthrough-write-keeps-setid", "passthrough"),
+    ("open_fd", "EACCES"): "test_device_nodes_fifos_and_sockets_are_inert_nodes",
+    ("user fd ftruncate", "ok"): "test_a_user_ftruncates_through_its_own_descriptor",
 }
 
 
@@ -1446,10 +1373,7 @@ def test_mtcfs_behaves_like_tmpfs(make_mount, ram_root: Path, data_path: str) ->
     for (op, outcome), n in sorted(COVERAGE.items()):
         print(f"  {op:32} {outcome:20} {n}")
     if examples >= 300 and not explore:
-        blocked = {k for k, (bug, path) in BLOCKED_BY_BUG.items()
-                   if bug in KNOWN_BUGS and path == data_path
-                   and not os.environ.get("MTCFS_POSIX_KNOWN_BUGS")}
-        missing = [k for k in EXPECTED_COVERAGE if not COVERAGE[k] and k not in blocked]
+        missing = [k for k in EXPECTED_COVERAGE if not COVERAGE[k]]
         rare = [k for k in missing if k in RARE]
         if rare:
             print(f"rare outcomes not produced this time (tested directly: RARE): {rare}")

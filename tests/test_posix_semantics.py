@@ -528,12 +528,30 @@ def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
     assert (p / "sticky" / "roots").read_bytes() == b"root's"
 
 
+def test_a_user_ftruncates_through_its_own_descriptor(make_mount):
+    """An outcome the random model run reaches only now and then: a user's ftruncate()
+    through a descriptor it opened for writing succeeds, shrinking and growing the file
+    (and clears the set-user-ID bit on the way, as Linux does)."""
+    mnt = make_mount(extra=("-o", "allow_other"))
+    p = mnt.path / "f"
+    p.write_bytes(b"0123456789")
+    os.chmod(p, 0o4666)
+    _as_second_user(mnt, (
+        "import os\n"
+        "fd = os.open('f', os.O_RDWR)\n"
+        "os.ftruncate(fd, 4)\n"
+        "assert os.fstat(fd).st_size == 4\n"
+        "os.ftruncate(fd, 8)\n"
+        "assert os.pread(fd, 8, 0) == b'0123' + bytes(4)\n"
+        "os.close(fd)\n"))
+    assert p.read_bytes() == b"0123" + bytes(4)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o666
+
+
 # Bugs found by the model-based test (tests/test_posix_property.py, KNOWN_BUGS there):
 # what Linux (tmpfs) does, which mtcfs does not yet.
 
 
-@pytest.mark.xfail(strict=True, reason="chown(f, -1, -1) leaves set-id bits; Linux clears "
-                   "them on every chown of a non-directory (posix model: chown-keeps-setid)")
 def test_chown_without_a_change_clears_set_id_bits(mnt):
     p = mnt.path / "f"
     p.write_bytes(b"data")
@@ -547,9 +565,6 @@ def test_chown_without_a_change_clears_set_id_bits(mnt):
     assert stat.S_IMODE(os.stat(mnt.path / "fifo").st_mode) == 0o755
 
 
-@pytest.mark.xfail(strict=True, reason="a write, truncate or chown by a user outside the file's "
-                   "group leaves set-group-ID without group-execute; Linux clears it (posix "
-                   "model: sgid-kept-for-non-member)")
 def test_set_group_id_is_cleared_for_users_outside_the_group(make_mount):
     mnt = make_mount(extra=("-o", "allow_other"))
     p = mnt.path / "f"
@@ -564,8 +579,6 @@ def test_set_group_id_is_cleared_for_users_outside_the_group(make_mount):
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o666, action
 
 
-@pytest.mark.xfail(strict=True, reason="open(O_TRUNC) by an unprivileged user leaves set-id "
-                   "bits; Linux clears them (posix model: o-trunc-keeps-setid)")
 def test_open_with_o_trunc_by_a_user_clears_set_id_bits(make_mount):
     mnt = make_mount(extra=("-o", "allow_other"))
     p = mnt.path / "f"
@@ -579,11 +592,8 @@ def test_open_with_o_trunc_by_a_user_clears_set_id_bits(make_mount):
 
 def test_a_user_write_clears_set_id_bits_while_the_file_is_open(make_mount, data_path,
                                                                  request):
-    if data_path == "passthrough":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "passthrough: an unprivileged write to a file already open with passthrough (here "
-            "by a reader) goes to the backing file and leaves set-id bits (posix model: "
-            "passthrough-write-keeps-setid)")))
+    # (With passthrough the write goes to the RAM file; the kernel tells the daemon to
+    # clear the bits with a setattr of no attribute.)
     mnt = make_mount(extra=("-o", "allow_other"))
     p = mnt.path / "f"
     p.write_bytes(b"data")

@@ -56,10 +56,12 @@ MAX_FILE_SIZE = 1 << 40
 SETID = stat.S_ISUID | stat.S_ISGID
 
 
-def killed_privs(mode: int) -> int:
-    """`mode` without set-user-ID, and without set-group-ID if group-executable."""
+def killed_privs(mode: int, in_group: bool = True) -> int:
+    """`mode` without set-user-ID, and without set-group-ID if group-executable or if
+    the caller is neither in the file's group nor privileged (as Linux since 6.2;
+    set-group-ID without group-execute otherwise marks mandatory locking and stays)."""
     mode &= ~stat.S_ISUID
-    if mode & stat.S_IXGRP:
+    if mode & stat.S_IXGRP or not in_group:
         mode &= ~stat.S_ISGID
     return mode
 
@@ -105,6 +107,7 @@ class Handle:
     append: bool
     sync: bool = False  # opened with O_SYNC/O_DSYNC: the fsync level applies at close
     uid: int = 0  # the opener's: an unprivileged writer clears set-id bits
+    in_group: bool = True  # the opener is in the file's group (or privileged)
     backing: int = 0  # its backing file id: reads and writes bypass the daemon
 
 
@@ -264,8 +267,11 @@ class Filesystem(Listener):
     async def setattr(self, node: Inode, *, size: int | None = None, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
                 mtime_ns: int | None = None, ctime_ns: int | None = None,
-                caller_uid: int = 0) -> Inode:
+                caller_uid: int = 0, caller_in_group: bool = True) -> Inode:
+        """`caller_in_group`: the caller is in the file's group, or privileged."""
         now = time.time_ns()
+        # chown(f, -1, -1) reaches us as a setattr of nothing (ctime at most).
+        nothing = all(x is None for x in (size, mode, uid, gid, atime_ns, mtime_ns))
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
@@ -291,12 +297,12 @@ class Filesystem(Listener):
         if gid is not None:
             node.gid = gid
         # What Linux does to set-id bits (with HANDLE_KILLPRIV_V2 the kernel leaves it
-        # to us): a chown of a non-directory clears them, whoever does it; a truncate
-        # by an unprivileged caller too. (setgid without group-execute marks mandatory
-        # locking and stays.)
-        chown = (uid is not None or gid is not None) and mode is None
+        # to us): a chown of a non-directory clears them, whoever does it (set-group-ID
+        # without group-execute stays for a caller in the group or privileged); a
+        # truncate by an unprivileged caller too.
+        chown = (uid is not None or gid is not None or nothing) and mode is None
         if not node.is_dir and (chown or (size is not None and caller_uid != 0)):
-            node.mode = killed_privs(node.mode)
+            node.mode = killed_privs(node.mode, caller_in_group or caller_uid == 0)
         if atime_ns is not None:
             node.atime_ns = atime_ns
         if mtime_ns is not None:
@@ -568,7 +574,8 @@ class Filesystem(Listener):
         self._crc[node.ino] = StreamingCrc()
         return self._open_handle(node, flags, uid), node
 
-    async def open(self, node: Inode, flags: int, uid: int = 0) -> int:
+    async def open(self, node: Inode, flags: int, uid: int = 0, in_group: bool = True) -> int:
+        """`uid`, `in_group`: the opener, and whether it is in the file's group."""
         if node.stale:
             raise FsError(errno.ESTALE)  # the kernel retries with a fresh lookup
         if node.is_dir:
@@ -583,6 +590,8 @@ class Filesystem(Listener):
             await self.seal(node)
         if flags & os.O_TRUNC and writable:
             self._truncate(node, 0)
+            if uid != 0 and node.mode & SETID:
+                self._kill_privs(node, in_group)  # even when there was nothing to cut
         elif node.state == INCOMPLETE:
             log.error("refusing to open %s: it is incomplete (its writer never closed it); "
                       "rewrite or remove it", self.ns.path_of(node))
@@ -590,7 +599,7 @@ class Filesystem(Listener):
         elif not node.has_data:
             # Start fetching now; reads wait for the ranges they need.
             self.fetcher.start(node)
-        fh = self._open_handle(node, flags, uid)
+        fh = self._open_handle(node, flags, uid, in_group)
         if writable and not node.has_data:
             try:
                 await self.open_for_write(node)
@@ -599,14 +608,15 @@ class Filesystem(Listener):
                 raise
         return fh
 
-    def _open_handle(self, node: Inode, flags: int, uid: int = 0) -> int:
+    def _open_handle(self, node: Inode, flags: int, uid: int = 0, in_group: bool = True) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         node.last_access = time.monotonic()
         fd = self.ram.acquire(node.ino)
         fh = self._next_fh
         self._next_fh += 1
         h = self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND),
-                                      bool(flags & (os.O_SYNC | os.O_DSYNC)), uid)
+                                      bool(flags & (os.O_SYNC | os.O_DSYNC)), uid,
+                                      in_group)
         node.opens += 1
         if writable:
             node.writers += 1
@@ -668,7 +678,7 @@ class Filesystem(Listener):
         if off + len(buf) > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG)
         if node.mode & SETID and h.uid != 0:
-            self._kill_privs(node)
+            self._kill_privs(node, h.in_group)
         try:
             n = self.ram.write(node.ino, h.fd, off, buf, node.size)
         except RamTierFull as e:
@@ -719,9 +729,9 @@ class Filesystem(Listener):
             except OSError:
                 raise FsError(errno.EIO) from None
 
-    def _kill_privs(self, node: Inode) -> None:
+    def _kill_privs(self, node: Inode, in_group: bool = True) -> None:
         """A write by an unprivileged opener clears the set-id bits (as Linux does)."""
-        mode = killed_privs(node.mode)
+        mode = killed_privs(node.mode, in_group)
         if mode != node.mode:
             node.mode = mode
             node.ctime_ns = time.time_ns()

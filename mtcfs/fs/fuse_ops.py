@@ -10,6 +10,7 @@ import errno
 import functools
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -114,6 +115,7 @@ class FuseOperations(pyfuse3.Operations):
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
             caller_uid=ctx.uid,
+            caller_in_group=_in_group(ctx, node),
         )
         return self.attrs(node)
 
@@ -225,7 +227,8 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode, flags, ctx):
-        fh = await self.fs.open(self.fs.node(inode), self._open_flags(flags), ctx.uid)
+        node = self.fs.node(inode)
+        fh = await self.fs.open(node, self._open_flags(flags), ctx.uid, _in_group(ctx, node))
         return self._file_info(fh)
 
     def _file_info(self, fh: int) -> pyfuse3.FileInfo:
@@ -268,6 +271,22 @@ class FuseOperations(pyfuse3.Operations):
 
     async def access(self, inode, mode, ctx):
         return True  # default_permissions: the kernel checks mode bits
+
+
+def _in_group(ctx: Any, node: Inode) -> bool:
+    """Is the caller in the file's group? Asked only where it decides something: an
+    unprivileged caller and a set-group-ID file (the kernel passes the caller's
+    primary group only; its other groups are read from /proc)."""
+    if ctx.uid == 0 or not node.mode & stat.S_ISGID or ctx.gid == node.gid:
+        return True
+    try:
+        with open(f"/proc/{ctx.pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return node.gid in {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass  # the caller is gone: as it was before this rule
+    return True
 
 
 def mount_options(fsname: str, extra: list[str]) -> set[str]:
