@@ -30,6 +30,7 @@ import durable
 import fsync
 import k8s
 import lifecycle
+import netns_restore
 import peers
 import ramtier
 from common import (
@@ -80,6 +81,12 @@ GROUPS: dict[str, tuple[Group, str]] = {
         bulk.group,
         "the bulk data channel: replication push, close->replica, restore from 1 holder and "
         "striped over 2, vs a raw sendfile() stream between two Python processes",
+    ),
+    "netns": (
+        netns_restore.group,
+        "restores in network namespaces onto an empty host from 1, 2 and 3 holders, over "
+        "veth links as they are and shaped to 1 Gbit/s per holder (tc tbf), vs a raw "
+        "sendfile() stream over the same link; CPU s/GiB on each side",
     ),
     "lifecycle": (
         lifecycle.group,
