@@ -147,6 +147,31 @@ def test_plain_close_stays_asynchronous_and_visibility_close_waits(make_cluster)
         assert read(b.path / f"v{i}") == blob(i, 1000)
 
 
+def test_close_in_a_step_being_written_is_visible_when_it_returns(make_cluster):
+    """Orbax writes each process's array_metadatas/process_<i> without fsync and its
+    primary lists them right after a barrier: a close under a temporary step name waits
+    for the peers (a plain close elsewhere does not)."""
+    c = make_cluster(2, replicas=0)
+    a, b = c["a"], c["b"]
+    tmp = "7.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/array_metadatas"
+    (a.path / tmp).mkdir(parents=True)
+    wait_until(lambda: (b.path / tmp).is_dir())
+    for i in range(N):
+        with open(a.path / tmp / f"process_{i}", "wb") as f:
+            f.write(blob(i, 100 + i))
+        assert sorted(os.listdir(b.path / tmp)) == sorted(f"process_{j}" for j in range(i + 1))
+        assert read(b.path / tmp / f"process_{i}") == blob(i, 100 + i), f"round {i}"
+    os.kill(b.proc.pid, signal.SIGSTOP)  # b answers nothing, but is not dead yet
+    try:
+        t0 = time.monotonic()
+        with open(a.path / tmp / "late", "wb") as f:
+            f.write(b"x")
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    assert waited > 0.5, f"the close returned after {waited:.2f} s without b"
+
+
 def test_a_peer_that_does_not_answer_bounds_fsync_by_the_commit_timeout(make_cluster):
     c = make_cluster(2, replicas=0, extra=("--commit-timeout", "1.5"))
     a, b = c["a"], c["b"]

@@ -84,7 +84,8 @@ from mtcfs.config import (
               help="fsync(), and the rename or close that commits a step, return once every "
                    "live peer has applied the change, or after SECONDS (logged)  [default: 10]")
 @click.option("--visibility", type=click.Choice(VISIBILITY_MODES, case_sensitive=False),
-              help="fsync: plain close() returns at once and reaches peers in the background; "
+              help="fsync: plain close() returns at once and reaches peers in the background "
+                   "(in a step being written, under a temporary name, it waits for them); "
                    "close: every close() also waits for the peers  [default: fsync]")
 @click.option("--data-path", type=click.Choice(DATA_PATHS, case_sensitive=False),
               help="passthrough: the kernel reads and writes files in the RAM tier without "

@@ -770,8 +770,8 @@ class Filesystem(Listener):
         """close(): the kernel has written back this file's dirty pages. Seal
         now if this is the last writer, so close() returns only once the
         file's state and crc32c are recorded; then, for a file that was fsynced,
-        a commit marker, or every file with --visibility close, wait until every
-        live peer has the seal.
+        a commit marker, a file under a temporary name (a step being written), or
+        every file with --visibility close, wait until every live peer has the seal.
 
         A file written through passthrough is sealed when its last handle is
         released (a shared writable mapping may outlive close()): close() marks it
@@ -780,8 +780,11 @@ class Filesystem(Listener):
         node = h.node
         if not h.writable:
             return
+        # Also every file of a step being written (under a temporary name, e.g. Orbax's
+        # *.orbax-checkpoint-tmp): checkpointers read each other's files there right
+        # after a barrier, some written without fsync (Orbax's array_metadatas).
         visible = (node.fsynced or h.sync or self.visibility_mode == "close"
-                   or self.commits(node))
+                   or self.commits(node) or self.rules.is_temporary(self.ns, node))
         # With passthrough the daemon does not see writes: a file a passthrough writer
         # had open counts as written (its checksum tells whether it changed).
         if h.backing:

@@ -124,6 +124,10 @@ class Conn:
         self.buf = bytearray(BLOCK)
         self.view = memoryview(self.buf)
         self._hdr = bytearray(HEADER.size)
+        if not isinstance(sock, ssl.SSLSocket):
+            secs = int(STALL_TIMEOUT)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            struct.pack("ll", secs, int((STALL_TIMEOUT - secs) * 1e6)))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -186,6 +190,36 @@ class Conn:
         if not hmac.compare_digest(want, mac):
             raise IntegrityError(f"bad MAC on the frame at {offset} ({length} bytes)")
         return view
+
+    def recv_data(self, offset: int, length: int, mac: bytes) -> bytes:
+        """A data block's bytes, once their MAC matched, as bytes (what crc32c takes):
+        received straight into a new bytes object where the socket allows it, so
+        the block is not copied once more."""
+        data = b""
+        if not isinstance(self.sock, ssl.SSLSocket):
+            # MSG_WAITALL waits for the whole block only on a blocking socket (Python's
+            # timeouts make it non-blocking): blocking for this call, bounded by the
+            # kernel's receive timeout (SO_RCVTIMEO, set to the stall timeout).
+            timeout = self.sock.gettimeout()
+            self.sock.settimeout(None)
+            try:
+                data = self.sock.recv(length, socket.MSG_WAITALL)
+                if not data:
+                    raise BulkError("connection closed by the other side")
+            except BlockingIOError:
+                pass  # the receive timeout ran out: the loop below times out too
+            finally:
+                self.sock.settimeout(timeout)
+        if len(data) < length:  # (TLS, a timeout or a signal cut it short)
+            view = self.view[:length]
+            view[:len(data)] = data
+            recv_exact(self.sock, view[len(data):])
+            data = bytes(view)
+        want = self._mac(self.in_dir, self.received, DATA, offset, data)
+        self.received += 1
+        if not hmac.compare_digest(want, mac):
+            raise IntegrityError(f"bad MAC on the frame at {offset} ({length} bytes)")
+        return data
 
     def recv_control(self) -> dict[str, Any]:
         kind, offset, length, mac = self.recv_header()
@@ -456,7 +490,7 @@ class BulkServer:
                     if offset != verify.offset or length != min(BLOCK, e.size - offset):
                         raise BadRequest(f"block at {offset} of {length} bytes; expected "
                                          f"{verify.offset} of {min(BLOCK, e.size - offset)}")
-                    data = bytes(conn.recv_body(kind, offset, length, mac))
+                    data = conn.recv_data(offset, length, mac)
                     verify.feed(data)  # raises IntegrityError on a bad crc32c
                     os.pwrite(fd, data, offset)
                     self.bytes_received += length
@@ -619,7 +653,7 @@ class BulkPool:
                 kind, got, length, mac = c.recv_header()
                 if kind != DATA or got != off or length != min(BLOCK, end - off):
                     raise BulkError(f"block at {got} of {length} bytes; expected {off}")
-                data = bytes(c.recv_body(kind, got, length, mac))
+                data = c.recv_data(got, length, mac)
                 if google_crc32c.value(data) != want[i]:
                     e = IntegrityError(f"block at {off}: crc32c mismatch")
                     e.bad_range = (off, off + length)
