@@ -208,7 +208,7 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     ns = Namespace(store)
     rules = step_rules(opts)
     events = Events()
-    clock = WriteClock()
+    clock = WriteClock(ram.stat)
     retired = RetiredSteps(ns)
     with_peers = bool(opts.listen)
     replicas = (opts.replicas or 0) if with_peers else 0

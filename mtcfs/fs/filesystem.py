@@ -629,7 +629,7 @@ class Filesystem(Listener):
             # is checksummed from its RAM file when the last writer is gone.
             node.pt_writers += 1
             node.pt_changed = True
-            self.clock.wrote()
+            self.clock.passthrough_opened(node.ino)
             self._crc[node.ino] = StreamingCrc(valid=False)
             node.wseq += 1
             with self.ns.store.transaction():
@@ -858,6 +858,7 @@ class Filesystem(Listener):
             node.writers -= 1
             if h.backing:
                 node.pt_writers -= 1
+                self.clock.passthrough_released(node.ino, node.pt_writers)
             if node.writers == 0 and (node.dirty or node.state == SEALING or node.pt_changed):
                 # The last writer is gone (with it any mapping): the final checksum.
                 await self.seal(node)
