@@ -15,6 +15,10 @@ about three times that.
 
 CPU seconds per GiB (user + system, from /proc) are taken over each restore for
 the reader's daemon and for the holders' daemons together.
+
+Last, the holders restart with TLS (--tls-cert/--tls-key/--tls-ca: a CA and a
+certificate per host made for the run) and the restores run again over the
+links as they are: TLS's cost against the same restores without it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 from common import (
@@ -84,6 +89,21 @@ def _shape(host: Any, on: bool) -> None:
                   "burst", "1mb", "latency", "100ms"], check=True, capture_output=True)
 
 
+def _use_tls(cluster: Any, root: Path, tls: dict[int, list[str]]) -> None:
+    """A CA and a certificate per host (its address as IP SAN): --tls-* arguments."""
+    from support.certs import make_ca, make_cert
+
+    ca = make_ca("mtcfs bench CA")
+    (root / "ca.crt").write_bytes(ca[2])
+    for i, host in enumerate(cluster.hosts):
+        cert, key = make_cert(ca, f"host-{i}", ips=(host.addr,))
+        (root / f"host-{i}.crt").write_bytes(cert)
+        (root / f"host-{i}.key").write_bytes(key)
+        (root / f"host-{i}.key").chmod(0o600)
+        tls[i] = ["--tls-cert", str(root / f"host-{i}.crt"), "--tls-key",
+                  str(root / f"host-{i}.key"), "--tls-ca", str(root / "ca.crt")]
+
+
 def group(ctx: Context) -> list[Row]:
     from support.mounts import blob, wait_until
     from support.netns import Cluster, netns_unavailable
@@ -109,13 +129,16 @@ def group(ctx: Context) -> list[Row]:
     nodes: list[Node] = []
     src = blob(1, size)
 
+    tls: dict[int, list[str]] = {}  # host index -> --tls-* arguments, once TLS is on
+
     def node(i: int, name: str, peers: list[str], replicas: int) -> Node:
         host = cluster.hosts[i]
         mp = root / f"mnt-{name}"
         mp.mkdir()
         n = Node(host, name, mp, ram_root / f"ram-{name}", root / f"{name}.log",
                  ["--listen", f"{host.addr}:{PORT}", "--peers", ",".join(peers),
-                  "--token-file", str(token), "--replicas", str(replicas)], ram_size=ram)
+                  "--token-file", str(token), "--replicas", str(replicas),
+                  *tls.get(i, [])], ram_size=ram)
         nodes.append(n)
         n.spawn()
         n.wait_live()
@@ -185,10 +208,21 @@ def group(ctx: Context) -> list[Row]:
         results: dict[str, dict[str, list[float]]] = {}
         sources: dict[str, list[dict[str, float]]] = {}  # share of the bytes per holder
         mode_now = [""]
-        for mode in ("unlimited", "shaped"):
+        for mode in ("unlimited", "shaped", "tls"):
             mode_now[0] = mode
             for h in holders:
                 _shape(h.host, mode == "shaped")
+            if mode == "tls":
+                _use_tls(cluster, root, tls)
+                for i, h in enumerate(holders):  # restarted over their RAM dirs, with TLS
+                    h.stop()
+                    h.args = [*h.args, *tls[i]]
+                    h.spawn()
+                    h.wait_live()
+                for h in holders:
+                    want = {f"h{i}" for i in range(HOLDERS)} - {h.node_id}
+                    wait_until(lambda h=h, want=want: h.live_peers() >= want, 30,
+                               what=f"{h.node_id} to see its peers over TLS")
             res = results[mode] = {"sendfile": [], **{f"{k}": [] for k in range(1, 4)},
                                    **{f"cpu_reader_{k}": [] for k in range(1, 4)},
                                    **{f"cpu_holders_{k}": [] for k in range(1, 4)}}
@@ -229,8 +263,18 @@ def group(ctx: Context) -> list[Row]:
 
     what = _size(size)
     rows = []
-    for mode, label in (("unlimited", "veth"), ("shaped", f"veth shaped to {RATE} per holder")):
+    for mode, label in (("unlimited", "veth"), ("shaped", f"veth shaped to {RATE} per holder"),
+                        ("tls", "veth, TLS")):
         res = results[mode]
+        if mode == "tls":  # TLS's cost: against the same restores without it
+            for k in (1, HOLDERS):
+                rows.append(Row("netns", f"restore of {what} from {k} holder(s), {label}",
+                                "MiB/s", res[str(k)], ref=results["unlimited"][str(k)],
+                                ref_label="no TLS", note="reference: the same restore over "
+                                "veth without TLS; CPU s/GiB: reader "
+                                f"{median(res[f'cpu_reader_{k}']):.2f}, holders "
+                                f"{median(res[f'cpu_holders_{k}']):.2f}"))
+            continue
         ref = dict(ref=res["sendfile"], ref_label="sendfile",
                    note=f"reference: raw sendfile() stream h0 -> reader host over {label}")
         for k in (1, 2, 3):

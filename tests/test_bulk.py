@@ -408,7 +408,7 @@ def test_tls_data_channel(tmp_path):
     """With --tls-*: TLS with client certificates signed by the CA; a client without
     one (or with another CA's) and a client speaking plain TCP get nothing."""
     pytest.importorskip("cryptography")
-    from test_peer_security import make_ca, make_cert
+    from support.certs import make_ca, make_cert
 
     ca, other = make_ca("mtcfs test CA"), make_ca("another CA")
     cert, key = make_cert(ca, "node-a")
