@@ -246,7 +246,9 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
         from mtcfs.persist.uploader import Uploader
 
         uploader = Uploader(ns, ram, tier, PersistPolicy.parse(opts.persist or "step"), rules,
-                            copies, events, node_id=opts.node_id if with_peers else "")
+                            copies, events, node_id=opts.node_id if with_peers else "",
+                            hosts_accounted=(peers.hosts_accounted if peers is not None
+                                             else lambda: True))
 
     # What may not be evicted now (being uploaded, pushed) and what may make room.
     activity = [a for a in (uploader, peers) if a is not None]

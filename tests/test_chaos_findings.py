@@ -111,3 +111,39 @@ def test_a_replaced_writers_replicated_shard_is_persisted(make_cluster, tmp_path
                what=f"the step in the bucket (a: {a.status()['durable']['last_error']})")
     assert (bucket / "step_1" / "__0_0.distcp").read_bytes() == shard_a
     assert (bucket / "step_1" / "__1_0.distcp").read_bytes() == shard_b
+
+
+@pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
+def test_a_marker_waits_for_the_files_of_a_host_cut_off_while_it_wrote(tmp_path: Path) -> None:
+    """h2's link is cut (bucket included); h0, h1 and h2 write their shards of step 1 (h2's
+    stay on h2, unseen), h1 commits. The bucket must not show the step's marker while h2's
+    shards are not in it. It did (chaos, seed 2, 10 min: 3 such markers, complete by the
+    end): the marker went once the files its host knew of were persisted. It now waits
+    until every host is alive and caught up with, or gone for good (15 s down)."""
+    ch = Chaos(Config(quiet=True, shard_kib=256, settle_timeout=30), tmp_path / "run")
+    try:
+        ch.setup()
+        cut = ch.daemons[2].host
+        cut.link_down()
+        time.sleep(4)  # the others find h2 dead
+        for h in range(3):
+            assert ch.host_part(1, h)
+        assert ch.commit(1)
+        ch.committed.append(1)
+        deadline = time.monotonic() + 6  # (h2 is back before it counts as gone)
+        while time.monotonic() < deadline:
+            objs = ch.bucket_list()
+            if objs is not None:
+                ch.check_bucket(objs, final=False)
+            time.sleep(0.5)
+        early = [f["what"][:200] for f in ch.findings if f["kind"] == "marker_incomplete"]
+        cut.link_up()
+        assert ch.wait_mesh(30)
+        settled, _, why = ch.settle()
+        r = ch.verify()
+        assert not early, early
+        findings = [f"{f['kind']}: {f['what'][:200]}" for f in ch.findings]
+        assert r["verified"] == 1, (r, findings)
+        assert settled, why
+    finally:
+        ch.teardown()

@@ -42,6 +42,7 @@ from mtcfs.events import Listener
 from mtcfs.fs.filesystem import FsError
 from mtcfs.fs.namespace import ROOT
 from mtcfs.lifecycle.copies import Copies
+from mtcfs.peer.membership import GONE_AFTER
 from mtcfs.persist.steps import StepRules, all_steps, files_under
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ SUFFIX = ".mtcfs-withdrawn"
 _SUFFIX = SUFFIX.encode()
 INTERVAL = 5.0  # a pass runs when peers come or go, when copies change, and this often
 REINSTATE_AFTER = 10.0  # seconds every file of a withdrawn step must have had a copy
-WITHDRAW_AFTER = 15.0  # seconds every holder of a lost file must have been down
+WITHDRAW_AFTER = GONE_AFTER  # seconds every holder of a lost file must have been down
 
 
 class Withdrawal(Listener):

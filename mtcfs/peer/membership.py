@@ -28,6 +28,9 @@ HEALTH_INTERVAL = 1.0
 RETRY_INTERVAL = 0.25  # peers not (yet) alive are checked this often: joins are seen fast
 HEALTH_TIMEOUT = 1.0
 DEAD_AFTER = 3  # failed checks in a row
+# A host down this long is gone for good: longer than a frozen daemon, a cut link or a
+# daemon restarting over its RAM dir stays away (withdrawal, commit-marker uploads).
+GONE_AFTER = 15.0
 
 
 @dataclass(eq=False)
@@ -158,6 +161,14 @@ class Membership:
             return 0.0
         last = max([self._started, *(p.last_ok for p in seen)])
         return max(0.0, time.time() - last)
+
+    def all_accounted(self) -> bool:
+        """Every configured host is alive, or has been down for GONE_AFTER (this daemon's
+        view): the files of a host cut off for a moment are not forgotten meanwhile."""
+        now = time.time()
+        return all(p.alive or (p.known_dead
+                               and now - max(self._started, p.last_ok) >= GONE_AFTER)
+                   for p in self.peers.values())
 
     def by_node(self, node_id: str) -> Peer | None:
         for p in self.peers.values():

@@ -167,6 +167,7 @@ class PeerTier(Listener):
         self._wake_repl = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._started = False
+        self._catching_up: set[str] = set()  # peers back whose snapshot is being pulled
         self._limiter = trio.CapacityLimiter(32)
         self._mover: ProcessPoolExecutor | None = None
         # The trainer's write clock, shared with the push workers (spawned processes).
@@ -224,6 +225,7 @@ class PeerTier(Listener):
     def peer_alive(self, peer: Peer) -> None:
         if self._started and self._nursery is not None:
             # Back after a restart or a partition: merge what it has that we missed.
+            self._catching_up.add(peer.addr)
             self._nursery.start_soon(self.catch_up, peer)
         self._requeue_unreplicated()
 
@@ -233,7 +235,20 @@ class PeerTier(Listener):
     def peers_changed(self) -> None:
         self.broadcaster.kick()
 
+    def hosts_accounted(self) -> bool:
+        """Every host of the job is alive and caught up with, or gone for good: what a
+        host cut off for a moment wrote meanwhile is known here (commit markers wait)."""
+        return not self._catching_up and self.members.all_accounted()
+
     async def catch_up(self, p: Peer) -> None:
+        try:
+            await self._catch_up(p)
+        finally:
+            if p.addr in self._catching_up:
+                self._catching_up.discard(p.addr)
+                self.events.peers_changed()  # a commit marker held for it may go
+
+    async def _catch_up(self, p: Peer) -> None:
         def pull() -> tuple[list[pb.Entry], int]:
             call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id,
                                                       listen=self.listen),

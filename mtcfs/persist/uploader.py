@@ -3,8 +3,9 @@
 - Never blocks write() or close(): the filesystem only notifies it; uploads run
   in worker threads with bounded concurrency.
 - Commit ordering: a commit marker is uploaded only after every other file of
-  its step directory is persisted, so the bucket never shows a marker for a
-  partial step.
+  its step directory is persisted, and while every host is alive and caught up
+  with, or gone for good (a host cut off for a moment may hold files of the step
+  nobody here has seen), so the bucket never shows a marker for a partial step.
 - Nothing under a temporary name is uploaded (it will be, under its final name,
   once renamed). A rename of persisted data ends with every file under its new
   name in the bucket: the renaming host copies each object server-side (GCS
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -111,7 +114,10 @@ class Stats:
 class Uploader(Listener):
     def __init__(self, ns: Namespace, ram: RamTier, tier: DurableTier, policy: PersistPolicy,
                  rules: StepRules, copies: Copies, events: Listener,
-                 node_id: str = "", concurrency: int = 4) -> None:
+                 node_id: str = "", concurrency: int = 4,
+                 hosts_accounted: Callable[[], bool] = lambda: True) -> None:
+        """`hosts_accounted()`: every host of the job is alive or gone for good (a
+        marker waits meanwhile: a host cut off may hold files of its step unseen)."""
         self.ns = ns
         self.ram = ram
         self.tier = tier
@@ -126,6 +132,8 @@ class Uploader(Listener):
         self.policy = policy
         self.rules = rules
         self.concurrency = concurrency
+        self.hosts_accounted = hosts_accounted
+        self._markers_held = False  # a marker waits for a host to come back or be gone
         self.queue: dict[int, Inode] = {}  # insertion-ordered: FIFO
         self.inflight: dict[int, Inode] = {}
         self.failed: dict[int, str] = {}  # conflicts that need a person
@@ -357,6 +365,11 @@ class Uploader(Listener):
         renamed them since."""
         return not self.node_id or not node.author or node.author == self.node_id
 
+    def peers_changed(self) -> None:
+        """A host came back (or went): a marker held for it may go now."""
+        if self._markers_held:
+            self._lot.unpark_all()
+
     def remote_changed(self, nodes: list[Inode]) -> None:
         """Changes from other hosts: a step they committed (a marker, a directory
         renamed into place) commits our files in it too; a file they persisted may
@@ -528,6 +541,11 @@ class Uploader(Listener):
                 continue  # a server-side copy brings it under its new name
             if self.rules.is_marker_name(node.name) and not self._step_ready(node):
                 continue
+            if self.rules.is_marker_name(node.name) and not self.hosts_accounted():
+                # A host cut off for a moment may have written files of this step that
+                # no host here has seen: they would be missing beside the marker.
+                self._markers_held = True
+                continue
             if (self.deletes or self._deleting or self._uploading) and self._delete_pending(node):
                 # The old object at this key (a file replaced by rename, or removed
                 # and created again) goes first; the new one is put "if absent".
@@ -584,9 +602,12 @@ class Uploader(Listener):
                     self._deleting.discard(key)
                     self._lot.unpark_all()  # an upload to the same key may go now
                 continue
+            self._markers_held = False
             node = self._next_job()
             if node is None:
-                await self._lot.park()
+                # A held marker is looked at again each second (a host's grace ends).
+                with trio.move_on_after(1.0 if self._markers_held else math.inf):
+                    await self._lot.park()
                 continue
             self.inflight[node.ino] = node
             self._uploading[node.ino] = self.ns.path_of(node)
