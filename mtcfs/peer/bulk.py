@@ -726,15 +726,17 @@ class BulkPool:
             if not reply.get("have"):
                 return False
             view = memoryview(buf)
-            got = 0
+            got = whole = 0
             while got < length:
                 kind, at, n, mac = c.recv_header()
                 want = min(BLOCK, length - got)
                 if kind != DATA or at != offset + got or n != want:
                     raise BulkError(f"block at {at} of {n} bytes; expected {offset + got}")
-                view[got:got + n] = c.recv_body(kind, at, n, mac)
+                data = bytes(c.recv_body(kind, at, n, mac))
+                whole = google_crc32c.extend(whole, data)
+                view[got:got + n] = data
                 got += n
-            if google_crc32c.value(view[:length]) != crc:
+            if whole != crc:
                 e = IntegrityError(f"chunk at {offset}: crc32c mismatch")
                 e.bad_range = (offset, offset + length)
                 raise e
