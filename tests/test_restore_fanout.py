@@ -142,6 +142,7 @@ def test_a_source_killed_mid_restore_does_not_fail_the_others(make_cluster, gcs_
 
     wait_until(lambda: arrived() >= size // 4, 30, interval=0.005, what="a quarter arrived")
     c.kill9("c")
+    assert all(t.is_alive() for t in threads), "the others finished before the kill"
     for t in threads:
         t.join(90)
     reader.join(30)
