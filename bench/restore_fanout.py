@@ -121,6 +121,7 @@ def group(ctx: Context) -> list[Row]:
     ref = ctx.ref_dir()
     copies: list[float] = []
     by_host: list[list[int]] = []
+    restores: list[list[dict[str, Any]]] = []
     try:
         upload(gcs, ref / "fanout-src", size)
         err.print(f"  {HOSTS} hosts per rep, fresh; the object: gs://{BUCKET}/{PREFIX}/{KEY}",
@@ -151,6 +152,8 @@ def group(ctx: Context) -> list[Row]:
                 took = max(ends) - t0
                 from_bucket = [m.durable()["readthrough"]["durable_bytes"] for m in mounts]
                 by_host.append(from_bucket)
+                restores.append([{k: v for k, v in status(m)["peers"].items()
+                                  if k.startswith("restore")} for m in mounts])
                 copies.append(sum(from_bucket) / size)
             finally:
                 for name in list(cl.hosts):
@@ -193,7 +196,8 @@ def group(ctx: Context) -> list[Row]:
     finally:
         gcs.close()
     details["restore_fanout"] = {"all_have_it_s": xs, "gcs_python_8_downloads_s": ys,
-                                 "bucket_copies": copies, "bucket_bytes_by_host": by_host}
+                                 "bucket_copies": copies, "bucket_bytes_by_host": by_host,
+                                 "restore_stats_by_host": restores}
     save_details(DETAILS, details)
     what = _size(size)
     note = (f"{HOSTS} fresh hosts read the same persisted file at once (C reader, 1 MiB "

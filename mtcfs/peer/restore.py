@@ -49,6 +49,7 @@ TODO, CHECKING, BUCKET, PEER, DONE = "todo", "checking", "bucket", "peer", "done
 SETTLE = 0.25  # a first source waits this long for simultaneous starters' announcements
 IDLE_POLL = 0.2  # a worker with nothing to take looks again (the sources may change)
 NO_PROGRESS = 15.0  # a source waited on that verified nothing for this long stops waiting
+REFUSALS = 3  # an owner that refused a chunk this often: read from the bucket here
 
 
 def score(guid: str, chunk: int, node_id: str) -> int:
@@ -84,6 +85,9 @@ class Restore:
     last_progress: float = field(default_factory=time.monotonic)
     bucket_bytes: int = 0
     peer_bytes: dict[str, int] = field(default_factory=dict)
+    refusals: dict[int, int] = field(default_factory=dict)  # chunk -> its owners' refusals
+    not_before: dict[int, float] = field(default_factory=dict)  # chunk -> ask again then
+    from_before: int = 0  # chunks of this host's share an earlier source had
     error: str | None = None
 
     def __post_init__(self) -> None:
@@ -155,6 +159,7 @@ async def run(r: Restore, fetch_peer: PeerFetch, fetch_bucket: BucketFetch,
             before = owner(r.guid, c, [s for s in sources if s != r.node_id])
             assert before is not None
             if await _ask(before, c, wait=False):
+                r.from_before += 1
                 return
         if r.state[c] != CHECKING:
             return
@@ -188,15 +193,23 @@ async def run(r: Restore, fetch_peer: PeerFetch, fetch_bucket: BucketFetch,
     async def from_peer(c: int, src: str) -> None:
         r.state[c] = PEER
         if not await _ask(src, c, wait=True) and src not in r.failed:
-            r.forced.add(c)  # it will not have it: from the bucket, here
+            # Its view of the sources differs from ours for now (an announcement on its
+            # way): ask again in a moment, under the views then; a few refusals in a
+            # row, and this host reads it itself.
+            n = r.refusals[c] = r.refusals.get(c, 0) + 1
+            if n >= REFUSALS:
+                r.forced.add(c)
+            else:
+                r.not_before[c] = time.monotonic() + 0.1 * n
         if r.state[c] != DONE:
             r.state[c] = TODO
             r.wake()
 
     def next_chunk(mine: bool) -> tuple[int, str] | None:
         sources = r.sources()
+        now = time.monotonic()
         for c, st in enumerate(r.state):
-            if st != TODO:
+            if st != TODO or r.not_before.get(c, 0.0) > now:
                 continue
             o = r.owner_of(c, sources) or r.node_id
             if (o == r.node_id) != mine:

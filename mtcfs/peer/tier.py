@@ -84,6 +84,9 @@ class Stats:
     restore_bucket_bytes: int = 0  # of those, read from the durable tier by this host
     restore_peer_bytes: int = 0  # of those, taken from other sources
     restore_sources_dropped: int = 0
+    restore_refusals: int = 0  # chunks an owner said it would not have (views differed)
+    restore_forced_chunks: int = 0  # of those, read from the bucket here after all
+    restore_from_earlier: int = 0  # chunks of this host's share an earlier source had
     batches_received: int = 0
     snapshots_pulled: int = 0
     last_error: str = ""
@@ -719,6 +722,11 @@ class PeerTier(Listener):
             self.stats.restore_bucket_bytes += r.bucket_bytes
             self.stats.restore_peer_bytes += sum(r.peer_bytes.values())
             self.stats.restore_sources_dropped += len(r.failed)
+            self.stats.restore_refusals += sum(r.refusals.values())
+            self.stats.restore_forced_chunks += len(r.forced)
+            self.stats.restore_from_earlier += r.from_before
+            if r.failed:
+                self.stats.last_error = f"restore of {path}: sources dropped: {r.failed}"
             if not ok:
                 self.restores.pop(node.ino, None)
                 if node.version == version:
