@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 TODO, CHECKING, BUCKET, PEER, DONE = "todo", "checking", "bucket", "peer", "done"
 SETTLE = 0.25  # a first source waits this long for simultaneous starters' announcements
+SETTLE_CHUNKS = 4  # ... of a file this many chunks long (a small file is not worth it)
 IDLE_POLL = 0.2  # a worker with nothing to take looks again (the sources may change)
 NO_PROGRESS = 15.0  # a source waited on that verified nothing for this long stops waiting
 REFUSALS = 3  # an owner that refused a chunk this often: read from the bucket here

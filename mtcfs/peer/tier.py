@@ -690,9 +690,10 @@ class PeerTier(Listener):
         self.restores[node.ino] = r
         others = [s for s in self.restore_sources(node) if s != self.node_id]
         self.copies.restoring(node)
-        if not others:
+        if not others and r.chunks >= restore.SETTLE_CHUNKS:
             # Hosts reading it at the same moment hear of each other within milliseconds:
             # a short pause lets them split the file instead of each reading all of it.
+            # (Not for a small file: many read one after the other would add up.)
             await trio.sleep(restore.SETTLE)
         token = trio.lowlevel.current_trio_token()
 
