@@ -28,8 +28,8 @@ block (4 MiB, the last one shorter) of the file at `offset`. Requests:
 whole file and answers), `fetch` (a block range of a held file) and `chunk`
 (one chunk of a file the server restores from the durable tier, or has:
 mtcfs.peer.restore; the server sends `wait` keepalives until the chunk is
-verified there, or says it will not have it; the client checks the chunk's
-recorded crc32c before it writes a byte).
+verified there, or says it will not have it; the client counts the chunk only
+once its recorded crc32c matched).
 """
 
 from __future__ import annotations
@@ -564,7 +564,10 @@ class BulkServer:
                                             length, wait, KEEPALIVE)
             if state != "wait":
                 break
-            conn.send_control({"wait": True})  # still coming: the client keeps waiting
+            try:
+                conn.send_control({"wait": True})  # still coming: the client keeps waiting
+            except OSError as e:  # it gave up (its restore stopped, or it took it elsewhere)
+                raise BulkError(f"the client left: {e}") from None
         if state != "ready":
             conn.send_control({"ok": True, "have": False})
             return
@@ -709,36 +712,36 @@ class BulkPool:
 
     def fetch_chunk(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
                     offset: int, length: int, crc: int, wait: bool,
-                    buf: bytearray) -> bool:
-        """One chunk of a file the server restores (or has) into fd at `offset`, written
-        only once every frame's MAC and the whole chunk's crc32c matched. wait: the
-        server keeps the request open while the chunk is still coming there. Returns
-        False when the server will not have it; raises BulkError, Remote or
-        IntegrityError (the connection is dropped; nothing was written)."""
-        if len(buf) < length:
-            raise ValueError("buffer shorter than the chunk")
+                    stop: Callable[[], bool] | None = None) -> bool:
+        """One chunk of a file the server restores (or has) into fd at `offset`: each
+        frame written once its MAC matched, the chunk good only once its whole crc32c
+        matched (the caller shows no reader, and serves no peer, a byte of it before).
+        wait: the server keeps the request open while the chunk is still coming there
+        (stop(): the caller gives up waiting, at the next keepalive). Returns False
+        when the server will not have it; raises BulkError, Remote or
+        IntegrityError (the connection is dropped; the chunk is not good)."""
         with self.conn(addr) as c:
             c.send_control({"op": "chunk", "id": guid, "version": version, "path": path,
                             "offset": offset, "length": length, "wait": wait})
             reply = c.recv_reply()
             while reply.get("wait"):
+                if stop is not None and stop():
+                    raise BulkError("the restore stopped waiting for the chunk")
                 reply = c.recv_reply()
             if not reply.get("have"):
                 return False
-            view = memoryview(buf)
             got = whole = 0
             while got < length:
                 kind, at, n, mac = c.recv_header()
                 want = min(BLOCK, length - got)
                 if kind != DATA or at != offset + got or n != want:
                     raise BulkError(f"block at {at} of {n} bytes; expected {offset + got}")
-                data = bytes(c.recv_body(kind, at, n, mac))
+                data = bytes(c.recv_body(kind, at, n, mac))  # (google_crc32c wants bytes)
                 whole = google_crc32c.extend(whole, data)
-                view[got:got + n] = data
+                os.pwrite(fd, data, at)
                 got += n
             if whole != crc:
                 e = IntegrityError(f"chunk at {offset}: crc32c mismatch")
                 e.bad_range = (offset, offset + length)
                 raise e
-            os.pwrite(fd, view[:length], offset)
             return True

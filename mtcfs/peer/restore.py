@@ -24,9 +24,11 @@ or leaves moves only its own share. Each host then
   makes the restore fail.
 
 A chunk from a peer is verified twice: each 4 MiB frame by the data channel's
-MAC, the whole chunk by its recorded crc32c; only then is it written and shown
-to readers. So simultaneous starters read the object from the bucket about once
-between them, and a host that arrives later reads it from the hosts that have it.
+MAC, the whole chunk by its recorded crc32c; only then is it shown to readers
+or served to other peers (its bytes land in the file as they arrive, in a
+range nobody reads until then; one worker fills a chunk at a time). So
+simultaneous starters read the object from the bucket about once between them,
+and a host that arrives later reads it from the hosts that have it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +93,8 @@ class Restore:
     not_before: dict[int, float] = field(default_factory=dict)  # chunk -> ask again then
     from_before: int = 0  # chunks of this host's share an earlier source had
     error: str | None = None
+    # Set when the restore ends early: worker threads waiting on a peer give up.
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.state = [TODO] * len(self.crcs)
@@ -168,8 +173,11 @@ async def run(r: Restore, fetch_peer: PeerFetch, fetch_bucket: BucketFetch,
         r.wake()
         try:
             await trio.to_thread.run_sync(fetch_bucket, c, limiter=limiter)
-        except BaseException:
+        except BaseException as e:
             r.state[c] = TODO
+            r.error = r.error or f"{type(e).__name__}: {e}"
+            r.stopped.set()  # the restore fails: the other workers stop waiting
+            r.wake()
             raise
         r.bucket_bytes += r.span(c)[1]
         done(c)
@@ -221,7 +229,7 @@ async def run(r: Restore, fetch_peer: PeerFetch, fetch_bucket: BucketFetch,
         return None
 
     async def worker(mine: bool) -> None:
-        while not r.complete():
+        while not r.complete() and r.error is None:
             pick = next_chunk(mine)
             if pick is None:
                 with trio.move_on_after(IDLE_POLL):
@@ -233,11 +241,27 @@ async def run(r: Restore, fetch_peer: PeerFetch, fetch_bucket: BucketFetch,
             else:
                 await from_peer(c, src)
 
-    async with trio.open_nursery() as n:
-        for _ in range(bucket_workers):
-            n.start_soon(worker, True)
-        for _ in range(peer_workers):
-            n.start_soon(worker, False)
+    async def sentinel() -> None:
+        # Cancelled (the file is unlinked, the mount stops) or failed: peers waiting
+        # on this host's share hear "no" at once, and this host's threads waiting on
+        # peers give up at their next keepalive (they cannot be cancelled: they write
+        # into the file).
+        try:
+            await trio.sleep_forever()
+        finally:
+            if not r.complete():
+                r.error = r.error or "the restore stopped"
+                r.stopped.set()
+                r.wake()
+
+    async with trio.open_nursery() as outer:
+        outer.start_soon(sentinel)
+        async with trio.open_nursery() as n:
+            for _ in range(bucket_workers):
+                n.start_soon(worker, True)
+            for _ in range(peer_workers):
+                n.start_soon(worker, False)
+        outer.cancel_scope.cancel()
 
 
 def read_chunk(r: Restore, fd: int, c: int, read: Callable[[int, int], bytes],

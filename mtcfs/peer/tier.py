@@ -703,7 +703,7 @@ class PeerTier(Listener):
                 raise PeerFetchError(5, f"{src} is not live")
             off, n = r.span(c)
             return bulk.fetch_chunk(self._data_addr(p), fd, guid, version, path, off, n,
-                                    crcs[c], wait, bytearray(n))
+                                    crcs[c], wait, r.stopped.is_set)
 
         def fetch_bucket(c: int) -> None:
             restore.read_chunk(r, fd, c, lambda off, n: tier.read_range(
