@@ -98,7 +98,10 @@ def start_hosts(ctx: Context, gcs: Gcs) -> tuple[Cluster, list[Mount]]:
     names = [f"h{i}" for i in range(HOSTS)]
     for n in names:
         cl.port(n)
-    extra = ["--bucket", f"gs://{BUCKET}/{PREFIX}", "--gcs-endpoint", gcs.url]
+    # The data channel on any free port (the default, the peer port + 1, may be another
+    # host's peer port).
+    extra = ["--bucket", f"gs://{BUCKET}/{PREFIX}", "--gcs-endpoint", gcs.url,
+             "--data-listen", "127.0.0.1:0"]
 
     with ThreadPoolExecutor(HOSTS) as pool:  # at once: each waits for its peers at start
         mounts = list(pool.map(lambda n: cl.start(n, [p for p in names if p != n],

@@ -54,6 +54,7 @@ SETTLE_CHUNKS = 4  # ... of a file this many chunks long (a small file is not wo
 IDLE_POLL = 0.2  # a worker with nothing to take looks again (the sources may change)
 NO_PROGRESS = 15.0  # a source waited on that verified nothing for this long stops waiting
 REFUSALS = 3  # an owner that refused a chunk this often: read from the bucket here
+PRECHECKS = 3  # sources asked for a chunk of this host's share before the bucket
 
 
 def score(guid: str, chunk: int, node_id: str) -> int:
@@ -160,13 +161,18 @@ async def run(r: Restore, fetch_peer: PeerFetch, fetch_bucket: BucketFetch,
         r.state[c] = CHECKING
         sources = r.sources()
         if c not in r.forced and r.node_id in sources and len(sources) > 1:
-            # Another source may own it in a view without this host (it was there
-            # first): take it from there if it has it, or is reading it.
-            before = owner(r.guid, c, [s for s in sources if s != r.node_id])
-            assert before is not None
-            if await _ask(before, c, wait=False):
-                r.from_before += 1
-                return
+            # Another source may have owned it in its view without this host (it was
+            # there first, or had not heard of this host yet): take it from there if
+            # it has it, or is reading it. Such a source is the highest-ranked in its
+            # own view: the next ones after this host in the ranking.
+            ranked = sorted((s for s in sources if s != r.node_id),
+                            key=lambda s: score(r.guid, c, s), reverse=True)
+            for before in ranked[:PRECHECKS]:
+                if await _ask(before, c, wait=False):
+                    r.from_before += 1
+                    return
+                if r.state[c] != CHECKING:
+                    return
         if r.state[c] != CHECKING:
             return
         r.state[c] = BUCKET

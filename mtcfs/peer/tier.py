@@ -688,12 +688,12 @@ class PeerTier(Listener):
         r = restore.Restore(self.node_id, guid, version, size, chunk, crcs,
                             os.fstat(fd).st_ino, lambda: self.restore_sources(node))
         self.restores[node.ino] = r
-        others = [s for s in self.restore_sources(node) if s != self.node_id]
         self.copies.restoring(node)
-        if not others and r.chunks >= restore.SETTLE_CHUNKS:
+        if r.chunks >= restore.SETTLE_CHUNKS:
             # Hosts reading it at the same moment hear of each other within milliseconds:
-            # a short pause lets them split the file instead of each reading all of it.
-            # (Not for a small file: many read one after the other would add up.)
+            # a short pause lets them split the file instead of each reading from the
+            # bucket what it owns in its own partial view of the sources. (Not for a
+            # small file: many read one after the other would add up.)
             await trio.sleep(restore.SETTLE)
         token = trio.lowlevel.current_trio_token()
 
