@@ -736,7 +736,7 @@ class BulkPool:
                 want = min(BLOCK, length - got)
                 if kind != DATA or at != offset + got or n != want:
                     raise BulkError(f"block at {at} of {n} bytes; expected {offset + got}")
-                data = bytes(c.recv_body(kind, at, n, mac))  # (google_crc32c wants bytes)
+                data = c.recv_data(at, n, mac)
                 whole = google_crc32c.extend(whole, data)
                 os.pwrite(fd, data, at)
                 got += n
