@@ -54,7 +54,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +218,8 @@ class Cluster:
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.port(name)}"
 
-    def start(self, name: str, peers: list[str], replicas: int = 1) -> Mount:
+    def start(self, name: str, peers: list[str], replicas: int = 1,
+              extra: Sequence[str] = ()) -> Mount:
         args = [
             "--node-id",
             name,
@@ -230,6 +231,7 @@ class Cluster:
             str(self.token),
             "--replicas",
             str(replicas),
+            *extra,
         ]
         m = self.ctx.scratch.mount(name, self.ctx.ram_size, args)
         self.hosts[name] = m

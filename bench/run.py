@@ -33,6 +33,7 @@ import lifecycle
 import netns_restore
 import peers
 import ramtier
+import restore_fanout
 from common import (
     BENCH_DIR,
     BenchError,
@@ -87,6 +88,12 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "restores in network namespaces onto an empty host from 1, 2 and 3 holders, over "
         "veth links as they are and shaped to 1 Gbit/s per holder (tc tbf), vs a raw "
         "sendfile() stream over the same link; CPU s/GiB on each side",
+    ),
+    "restore-fanout": (
+        restore_fanout.group,
+        "whole-job restore: 8 empty hosts read the same persisted file at once from "
+        "fake-gcs-server; bytes from the bucket and time until all have it, vs 8 "
+        "google-cloud-storage downloads at once",
     ),
     "lifecycle": (
         lifecycle.group,

@@ -104,6 +104,7 @@ class Fetch:
 class Stats:
     fetched_files: int = 0
     fetched_bytes: int = 0
+    durable_bytes: int = 0  # of fetched_bytes, read from the durable tier
     integrity_errors: int = 0
     errors: int = 0
     last_error: str = ""
@@ -206,10 +207,18 @@ class Fetcher(Listener):
                 if self.tier is None or not generation:
                     raise OSError(errno.EIO, "no copy is reachable: not on a live peer"
                                   + ("" if self.tier is None else " nor in the durable tier"))
-                await trio.to_thread.run_sync(partial(
-                    self.tier.download, key, fd, parallel=self.parallel,
-                    on_verified=on_verified, generation=generation))
-                sources = {self.tier.url: node.size}
+                restored = None
+                if self.peers is not None:
+                    # Other hosts may read the same file now (a whole-job restore): the
+                    # bucket is read about once between them.
+                    restored = await self.peers.restore(node, fd, self.tier, key, generation,
+                                                        self.parallel, f.add)
+                if restored is None:
+                    await trio.to_thread.run_sync(partial(
+                        self.tier.download, key, fd, parallel=self.parallel,
+                        on_verified=on_verified, generation=generation))
+                    restored = {self.tier.url: node.size}
+                sources = restored
         except IntegrityError as e:
             self.stats.integrity_errors += 1
             self._error(f"{key}: {e}")
@@ -228,6 +237,8 @@ class Fetcher(Listener):
             self.stats.fetched_bytes += node.size
             for source, n in sources.items():
                 self.sources[source] = self.sources.get(source, 0) + n
+            if self.tier is not None:
+                self.stats.durable_bytes += sources.get(self.tier.url, 0)
             log.info("fetched %s from %s (%d bytes) in %.2f s", key, ", ".join(sources), node.size,
                      time.monotonic() - t0)
             f.finish()
@@ -332,6 +343,7 @@ class Fetcher(Listener):
             "fetching": len(self.fetches),
             "fetched_files": self.stats.fetched_files,
             "fetched_bytes": self.stats.fetched_bytes,
+            "durable_bytes": self.stats.durable_bytes,
             "integrity_errors": self.stats.integrity_errors,
             "errors": self.stats.errors,
             "last_error": self.stats.last_error or None,

@@ -970,6 +970,8 @@ class Filesystem(Listener):
             "crc32c": format_crc(node.crc32c) if closed else None,
             "version": node.version,
             "holders": holders,
+            # Hosts serving it to peers restoring it from the durable tier (cache copies).
+            "sources": sorted(node.sources),
             # Peer copies: holders other than the node that wrote this version.
             "replicas": len([h for h in holders if h != (node.author or self.node_id)]),
             "writer": node.author or (self.node_id if node.version else None),

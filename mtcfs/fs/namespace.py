@@ -68,6 +68,9 @@ class Inode:
     writers: int = 0
     dirty: bool = False
     cached: bool = False  # the data here was read through (a cache copy, not a replica)
+    # Hosts that read this persisted version through and serve it to peers (restoring
+    # it, or done): never counted as copies (mtcfs.peer.restore). Not recorded: soft.
+    sources: list[str] = field(default_factory=list)
     last_access: float = 0.0  # time.monotonic() of the last open: caches are evicted LRU
     wseq: int = 0  # bumped by every write/truncate, to detect races with a seal
     # Removed or replaced by another host's (or the bucket's) change: a name the kernel

@@ -9,8 +9,9 @@ an index broadcast). Every count of copies is one of its methods.
 
 The eviction rules (the only copy is never evicted):
 
-- a *cache* copy (read through from a peer or the bucket, never announced)
-  may go when the file is persisted or a live peer holds it;
+- a *cache* copy (read through from a peer or the bucket; never announced as a
+  holder, only as a restore *source* of a persisted file, which counts for
+  nothing here) may go when the file is persisted or a live peer holds it;
 - this host's *own* data (it wrote this version) may go when the file is
   persisted; without a durable tier, when K live peers hold verified
   replicas. With one, the upload still needs it (each host uploads what it
@@ -132,17 +133,32 @@ class Copies:
         self._record(node)
         self._events.fetched(node)
 
+    def restoring(self, node: Inode) -> None:
+        """This host reads the persisted version through and serves its verified chunks
+        to peers meanwhile (and the whole copy after): announced as a source."""
+        if self.node_id not in node.sources:
+            node.sources.append(self.node_id)
+        self._events.copies_changed(node)
+
+    def not_restoring(self, node: Inode) -> None:
+        """The read-through failed (or its data went): no longer a source."""
+        if self.node_id in node.sources:
+            node.sources.remove(self.node_id)
+            self._events.copies_changed(node, self.node_id)
+
     def emptied(self, node: Inode) -> None:
         """A fresh RAM file for data about to be written (truncated to 0)."""
         node.has_data = True
 
     def evicted(self, node: Inode) -> None:
         """This host's copy was dropped (evicted, or lost): other hosts hear of it."""
-        announced = self.node_id in node.holders
+        announced = self.node_id in node.holders or self.node_id in node.sources
         node.has_data = False
         node.cached = False
-        if announced:
+        if self.node_id in node.holders:
             node.holders.remove(self.node_id)
+        if self.node_id in node.sources:
+            node.sources.remove(self.node_id)
         self._record(node)
         if announced:
             self._events.copies_changed(node, self.node_id)
@@ -168,17 +184,23 @@ class Copies:
         self._events.copies_changed(node)
 
     def merge(self, node: Inode, holders: Sequence[str], dropped: Sequence[str],
-              persisted_version: int, generation: int) -> tuple[bool, bool]:
-        """Another host's view of the same version: holders merge as a set (those it
-        says dropped their copy leave), and its persisted state is taken if newer.
-        Only this host knows whether it holds a copy. Returns (changed, disowned):
-        disowned when the view lists this host as a holder without a copy here."""
+              persisted_version: int, generation: int,
+              sources: Sequence[str] = ()) -> tuple[bool, bool]:
+        """Another host's view of the same version: holders and sources merge as sets
+        (those it says dropped their copy leave), and its persisted state is taken if
+        newer. Only this host knows whether it holds a copy. Returns (changed,
+        disowned): disowned when the view lists this host as a holder without a copy
+        here."""
         new = [h for h in holders if h not in node.holders and h != self.node_id]
         gone = [h for h in dropped if h in node.holders and h not in holders
                 and h != self.node_id]
         disowned = (self.node_id in holders and not node.has_data
                     and self.node_id not in dropped)
         persisted = node.persisted_version < persisted_version == node.version
+        # Sources are soft state (not recorded): a stale one costs a refused request.
+        node.sources.extend(s for s in sources if s not in node.sources and s != self.node_id)
+        node.sources[:] = [s for s in node.sources if s not in dropped or s in sources
+                           or s == self.node_id]
         if not new and not persisted and not gone:
             return False, disowned
         node.holders.extend(new)
@@ -189,15 +211,17 @@ class Copies:
         return True, disowned
 
     def take_version(self, node: Inode, holders: Sequence[str], persisted_version: int,
-                     generation: int, fresh: bool) -> bool:
+                     generation: int, fresh: bool, sources: Sequence[str] = ()) -> bool:
         """Another host's version (fresh: new content; its data is not here). Returns
         whether the view lists this host as a holder of data it does not have."""
         node.persisted_version, node.generation = persisted_version, generation
         if fresh:
             disowned = self.node_id in holders
             node.holders = [h for h in holders if h != self.node_id]
+            node.sources = [s for s in sources if s != self.node_id]
             node.has_data = False
             return disowned
+        node.sources.extend(s for s in sources if s not in node.sources and s != self.node_id)
         node.holders.extend(h for h in holders if h not in node.holders and h != self.node_id)
         return False
 

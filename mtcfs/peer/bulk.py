@@ -25,7 +25,11 @@ Wire format, after the handshake: frames of a 45-byte header (kind, offset,
 length, MAC) and `length` bytes. Kind C is a control message (JSON), kind B one
 block (4 MiB, the last one shorter) of the file at `offset`. Requests:
 `push` (a replica: header, blocks in order, `end`; the receiver verifies the
-whole file and answers) and `fetch` (a block range of a held file).
+whole file and answers), `fetch` (a block range of a held file) and `chunk`
+(one chunk of a file the server restores from the durable tier, or has:
+mtcfs.peer.restore; the server sends `wait` keepalives until the chunk is
+verified there, or says it will not have it; the client counts the chunk only
+once its recorded crc32c matched).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -68,6 +73,7 @@ REPLY_TIMEOUT = 60.0  # the receiver's answer to a whole push (verification, com
 IDLE_TIMEOUT = 600.0  # a pooled connection with no request for this long is closed
 MAX_CONTROL = security.MAX_MESSAGE
 MAX_SERVER_CONNECTIONS = 64
+KEEPALIVE = 1.0  # a server waiting for a chunk tells the client so this often
 
 
 class BulkError(OSError):
@@ -314,6 +320,8 @@ def in_trio(token: Any) -> Callable[..., Any]:
     import trio
 
     def run(fn: Callable[..., Any], *args: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return trio.from_thread.run(fn, *args, trio_token=token)
         return trio.from_thread.run_sync(fn, *args, trio_token=token)
 
     return run
@@ -361,6 +369,7 @@ class BulkServer:
         self.pushes_received = 0  # replicas stored
         self.bytes_received = 0
         self.bytes_served = 0
+        self.chunk_bytes_served = 0  # of bytes_served, to peers restoring the same file
         self._stopped = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -369,7 +378,8 @@ class BulkServer:
     def status(self) -> dict[str, int]:
         return {"port": self.port, "handshakes_refused": self.rejected,
                 "requests_refused": self.refused, "replicas_received": self.pushes_received,
-                "bytes_received": self.bytes_received, "bytes_served": self.bytes_served}
+                "bytes_received": self.bytes_received, "bytes_served": self.bytes_served,
+                "restore_bytes_served": self.chunk_bytes_served}
 
     def start(self) -> int:
         self._thread.start()
@@ -446,6 +456,8 @@ class BulkServer:
                 self._push(conn, msg)
             elif op == "fetch":
                 self._fetch(conn, msg)
+            elif op == "chunk":
+                self._chunk(conn, msg)
             else:
                 raise BadRequest(f"unknown request {str(op)[:40]!r}")
             return True
@@ -532,6 +544,43 @@ class BulkServer:
                 for off in range(offset, end, BLOCK):
                     conn.send_block(f, fd, off, min(BLOCK, end - off))
                     self.bytes_served += min(BLOCK, end - off)
+        finally:
+            os.close(fd)
+
+
+    # -- chunk (a peer restoring the same file) ---------------------------------------
+
+    def _chunk(self, conn: Conn, msg: dict[str, Any]) -> None:
+        guid, path = str(msg.get("id", "")), str(msg.get("path", ""))
+        version, offset, length = (msg.get(k, 0) for k in ("version", "offset", "length"))
+        wait = bool(msg.get("wait"))
+        security.check_id(guid)
+        security.check_path(path)
+        if not all(isinstance(v, int) and 0 <= v < security.MAX_COUNTER
+                   for v in (version, offset, length)) or not length:
+            raise BadRequest("bad version, offset or length")
+        while True:
+            state, fd, size = self.in_owner(self.handler.serve_chunk, guid, version, offset,
+                                            length, wait, KEEPALIVE)
+            if state != "wait":
+                break
+            try:
+                conn.send_control({"wait": True})  # still coming: the client keeps waiting
+            except OSError as e:  # it gave up (its restore stopped, or it took it elsewhere)
+                raise BulkError(f"the client left: {e}") from None
+        if state != "ready":
+            conn.send_control({"ok": True, "have": False})
+            return
+        try:
+            end = offset + length
+            if end > size:
+                raise BadRequest(f"bytes {offset}-{end} are beyond the file's {size}")
+            conn.send_control({"ok": True, "have": True, "size": size})
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                for off in range(offset, end, BLOCK):
+                    conn.send_block(f, fd, off, min(BLOCK, end - off))
+                    self.bytes_served += min(BLOCK, end - off)
+                    self.chunk_bytes_served += min(BLOCK, end - off)
         finally:
             os.close(fd)
 
@@ -660,3 +709,39 @@ class BulkPool:
                     raise e
                 os.pwrite(fd, data, off)
                 on_block(off, length)
+
+    def fetch_chunk(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
+                    offset: int, length: int, crc: int, wait: bool,
+                    stop: Callable[[], bool] | None = None) -> bool:
+        """One chunk of a file the server restores (or has) into fd at `offset`: each
+        frame written once its MAC matched, the chunk good only once its whole crc32c
+        matched (the caller shows no reader, and serves no peer, a byte of it before).
+        wait: the server keeps the request open while the chunk is still coming there
+        (stop(): the caller gives up waiting, at the next keepalive). Returns False
+        when the server will not have it; raises BulkError, Remote or
+        IntegrityError (the connection is dropped; the chunk is not good)."""
+        with self.conn(addr) as c:
+            c.send_control({"op": "chunk", "id": guid, "version": version, "path": path,
+                            "offset": offset, "length": length, "wait": wait})
+            reply = c.recv_reply()
+            while reply.get("wait"):
+                if stop is not None and stop():
+                    raise BulkError("the restore stopped waiting for the chunk")
+                reply = c.recv_reply()
+            if not reply.get("have"):
+                return False
+            got = whole = 0
+            while got < length:
+                kind, at, n, mac = c.recv_header()
+                want = min(BLOCK, length - got)
+                if kind != DATA or at != offset + got or n != want:
+                    raise BulkError(f"block at {at} of {n} bytes; expected {offset + got}")
+                data = c.recv_data(at, n, mac)
+                whole = google_crc32c.extend(whole, data)
+                os.pwrite(fd, data, at)
+                got += n
+            if whole != crc:
+                e = IntegrityError(f"chunk at {offset}: crc32c mismatch")
+                e.bad_range = (offset, offset + length)
+                raise e
+            return True

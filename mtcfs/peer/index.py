@@ -127,6 +127,23 @@ class ReplicatedIndex:
                 e.dropped.append(dropped)
             self.outbox([e])
 
+    def sources_changed(self, node: Inode, dropped: str = "") -> None:
+        """This host began or stopped serving a persisted file it reads through. Its
+        directories go first: made from the bucket listing, they have an id of this
+        host's own, which the others merge with theirs (as concurrent mkdirs)."""
+        if not self.visible(node):
+            return
+        out = []
+        d = self.ns.inodes.get(node.parent)
+        while d is not None and d.ino != ROOT:
+            if self.visible(d):
+                out.append(self.entry_of(d))
+            d = self.ns.inodes.get(d.parent)
+        e = self.entry_of(node)
+        if dropped:
+            e.dropped.append(dropped)
+        self.outbox([*out[::-1], e])
+
     def publish_ancestors(self, node: Inode) -> None:
         """Send `node`'s directories again where another host made them: a peer that
         has not heard of them yet (the other host's broadcast is still on its way)
@@ -152,7 +169,11 @@ class ReplicatedIndex:
         e = pb.Entry(
             id=node.guid, parent=parent.guid, name=node.name, mode=node.mode, uid=node.uid,
             gid=node.gid, mtime_ns=node.mtime_ns, ctime_ns=node.ctime_ns,
-            size=node.size, version=node.version, holders=node.holders,
+            size=node.size, version=node.version,
+            # A copy read through here is a cache copy: announced as a source, never as
+            # a holder (it must not count as a replica anywhere).
+            holders=[h for h in node.holders if h != self.node_id or not node.cached],
+            sources=node.sources,
             lamport=node.lamport, writer=node.writer, author=node.author,
             persisted_version=node.persisted_version, generation=node.generation,
             rdev=node.rdev,
@@ -385,7 +406,7 @@ class ReplicatedIndex:
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
         """Same version: holders merge as a set, and a persisted flag is taken."""
         changed, disowned = self.copies.merge(node, e.holders, e.dropped, e.persisted_version,
-                                              e.generation)
+                                              e.generation, e.sources)
         if disowned:
             self.disowned.append(node)
         if changed:
@@ -418,7 +439,8 @@ class ReplicatedIndex:
         node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
         if fresh and node.has_data:
             self.hooks.forget_data(node)
-        if self.copies.take_version(node, e.holders, e.persisted_version, e.generation, fresh):
+        if self.copies.take_version(node, e.holders, e.persisted_version, e.generation, fresh,
+                                    e.sources):
             self.disowned.append(node)
 
     def _release_pending(self, gid: str) -> None:

@@ -144,9 +144,9 @@ def check_entry(e: pb.Entry) -> None:
     check_name(e.name)
     if len(e.target) > 4095:
         raise BadRequest("symlink target too long")
-    if len(e.holders) > 1024 or len(e.dropped) > 1024:
+    if len(e.holders) > 1024 or len(e.dropped) > 1024 or len(e.sources) > 1024:
         raise BadRequest("too many holders")
-    for h in [*e.holders, *e.dropped]:
+    for h in [*e.holders, *e.dropped, *e.sources]:
         check_node_id(h, "holder")
     if len(e.block_crcs) > MAX_BLOCK_CRCS or len(e.block_crcs) % 4:
         raise BadRequest("bad block crcs")

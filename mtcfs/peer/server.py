@@ -58,6 +58,8 @@ class PeerHandler(Protocol):
     def abort_receive(self, key: int, tmp: str) -> None: ...  # trio
     def yield_to_writes(self, budget: float) -> float: ...
     def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]: ...  # trio
+    async def serve_chunk(self, guid: str, version: int, offset: int, length: int,
+                          wait: bool, timeout: float) -> tuple[str, int, int]: ...  # trio
 
 
 class PeerService(pb_grpc.PeerServicer):

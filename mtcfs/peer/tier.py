@@ -39,7 +39,7 @@ from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.fs.writeclock import WriteClock
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.retired import RetiredSteps
-from mtcfs.peer import mover, placement
+from mtcfs.peer import mover, placement, restore
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
 from mtcfs.peer.dissemination import Broadcaster, SendFailed
@@ -49,6 +49,8 @@ from mtcfs.peer.security import BadRequest, check_entry
 from mtcfs.peer.server import Refused, start_server
 from mtcfs.peer.striped import Progress, Striped
 from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.tiers.durable import DurableTier
+from mtcfs.tiers.durable.base import chunk_plan
 from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,13 @@ class Stats:
     bulk_replicas_sent: int = 0  # of replicas_sent, over the data channel
     bulk_fetched_bytes: int = 0  # of fetched_bytes, over the data channel
     integrity_errors: int = 0
+    restores: int = 0  # persisted files read through together with other sources
+    restore_bucket_bytes: int = 0  # of those, read from the durable tier by this host
+    restore_peer_bytes: int = 0  # of those, taken from other sources
+    restore_sources_dropped: int = 0
+    restore_refusals: int = 0  # chunks an owner said it would not have (views differed)
+    restore_forced_chunks: int = 0  # of those, read from the bucket here after all
+    restore_from_earlier: int = 0  # chunks of this host's share an earlier source had
     batches_received: int = 0
     snapshots_pulled: int = 0
     last_error: str = ""
@@ -161,6 +170,7 @@ class PeerTier(Listener):
         self.bulk_server: BulkServer | None = None
         self.data_port = 0
         self._bulk_limiter = trio.CapacityLimiter(64)
+        self.restores: dict[int, restore.Restore] = {}  # ino -> this host's restore of it
         self.repl_queue: dict[int, Inode] = {}
         self.replicating: dict[int, Inode] = {}
         self._urgent: dict[int, int] = {}  # ino -> fsyncs waiting for its copies
@@ -308,7 +318,10 @@ class PeerTier(Listener):
         self.index.holders_changed(node)
 
     def copies_changed(self, node: Inode, dropped: str = "") -> None:
-        self.index.holders_changed(node, dropped=dropped)
+        if node.generation:  # a bucket object: maybe restored here (its sources change)
+            self.index.sources_changed(node, dropped=dropped)
+        else:
+            self.index.holders_changed(node, dropped=dropped)
 
     def fsync_waiting(self, node: Inode, waiting: bool) -> None:
         n = self._urgent.get(node.ino, 0) + (1 if waiting else -1)
@@ -657,6 +670,115 @@ class PeerTier(Listener):
                               ram_capacity=self.ram.capacity,
                               ram_free=max(0, self.ram.capacity - self.ram.used),
                               entries=len(self.ns.inodes), data_port=self.data_port)
+
+    # -- restoring from the durable tier together (mtcfs.peer.restore) ---------------
+
+    def restore_sources(self, node: Inode) -> list[str]:
+        """This host and the live peers that announced they restore (or have) this
+        version and offer a data channel."""
+        return sorted({self.node_id} | {
+            s for s in node.sources if s != self.node_id
+            for p in [self.members.by_node(s)] if p is not None and p.data_port})
+
+    async def restore(self, node: Inode, fd: int, tier: DurableTier, key: str,
+                      generation: int, parallel: int,
+                      on_verified: Callable[[int, int], None]) -> dict[str, int] | None:
+        """Read a persisted file through with every other host restoring it: this host's
+        share of its chunks from the bucket, the rest from the sources that have them
+        (mtcfs.peer.restore). Returns the bytes read from each place (the bucket as
+        tier.url), or None when the object cannot be restored so (no data channel, or
+        no chunk crc32cs to verify peers' chunks with): the caller reads it alone."""
+        if self.bulk is None or not node.size or not self.data_port:
+            return None
+        bulk = self.bulk
+        info = await trio.to_thread.run_sync(tier.stat, key)
+        if info is None or info.generation != generation or info.size != node.size:
+            return None
+        plan = chunk_plan(f"{tier.url}: {key}", info)
+        if plan is None:
+            return None
+        chunk, crcs = plan
+        guid, version, size, path = node.guid, node.version, node.size, key
+        os.ftruncate(fd, size)
+        r = restore.Restore(self.node_id, guid, version, size, chunk, crcs,
+                            os.fstat(fd).st_ino, lambda: self.restore_sources(node))
+        self.restores[node.ino] = r
+        self.copies.restoring(node)
+        if r.chunks >= restore.SETTLE_CHUNKS:
+            # Hosts reading it at the same moment hear of each other within milliseconds:
+            # a short pause lets them split the file instead of each reading from the
+            # bucket what it owns in its own partial view of the sources. (Not for a
+            # small file: many read one after the other would add up.)
+            await trio.sleep(restore.SETTLE)
+        token = trio.lowlevel.current_trio_token()
+
+        def fetch_peer(src: str, c: int, wait: bool) -> bool:
+            p = trio.from_thread.run_sync(self.members.by_node, src, trio_token=token)
+            if p is None or not p.data_port:
+                raise PeerFetchError(5, f"{src} is not live")
+            off, n = r.span(c)
+            return bulk.fetch_chunk(self._data_addr(p), fd, guid, version, path, off, n,
+                                    crcs[c], wait, r.stopped.is_set)
+
+        def fetch_bucket(c: int) -> None:
+            restore.read_chunk(r, fd, c, lambda off, n: tier.read_range(
+                key, off, n, generation=generation), f"{tier.url}: {key}")
+
+        ok = False
+        try:
+            await restore.run(r, fetch_peer, fetch_bucket, on_verified, parallel,
+                              2 * parallel, bulk.connections)
+            ok = True
+        except BaseException as e:
+            r.error = str(e) or type(e).__name__
+            r.wake()
+            raise
+        finally:
+            self.stats.restores += ok
+            self.stats.restore_bucket_bytes += r.bucket_bytes
+            self.stats.restore_peer_bytes += sum(r.peer_bytes.values())
+            self.stats.restore_sources_dropped += len(r.failed)
+            self.stats.restore_refusals += sum(r.refusals.values())
+            self.stats.restore_forced_chunks += len(r.forced)
+            self.stats.restore_from_earlier += r.from_before
+            if r.failed:
+                self.stats.last_error = f"restore of {path}: sources dropped: {r.failed}"
+            if not ok:
+                self.restores.pop(node.ino, None)
+                if node.version == version:
+                    self.copies.not_restoring(node)
+        log.info("restored %s: %d bytes from %s, %s from peers%s", path, r.bucket_bytes,
+                 tier.url, r.peer_bytes or 0, f" (dropped {r.failed})" if r.failed else "")
+        return {**({tier.url: r.bucket_bytes} if r.bucket_bytes else {}), **r.peer_bytes}
+
+    async def serve_chunk(self, guid: str, version: int, offset: int, length: int,
+                          wait: bool, timeout: float) -> tuple[str, int, int]:
+        """A peer restoring the same file asks for a chunk (mtcfs.bulk's `chunk`):
+        ("ready", a read fd, size) once it is verified here; ("wait", -1, size) while
+        it is still coming (asked again); ("no", -1, size) if it will not come here."""
+        node = self.ns.by_global_id(self.index.resolve(guid))
+        if node is None or not node.linked or (version and node.version != version):
+            raise Refused(grpc.StatusCode.NOT_FOUND, "not this version here")
+        r = self.restores.get(node.ino)
+        if r is not None and (r.version != node.version or node.has_data):
+            self.restores.pop(node.ino, None)  # done (or replaced): served as a whole copy
+            r = None
+        if r is None:
+            fd, size = self.open_for_fetch(guid, version)
+            if offset + length > size:
+                os.close(fd)
+                raise Refused(grpc.StatusCode.OUT_OF_RANGE, "beyond the end")
+            return "ready", fd, size
+        if offset % r.chunk or offset + length != sum(r.span(offset // r.chunk)):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "not a chunk of this file")
+        state = await restore.wait_for(r, offset // r.chunk, wait, timeout)
+        if state != "ready":
+            return state, -1, r.size
+        fd = self.ram.open_read(node.ino)
+        if os.fstat(fd).st_ino != r.dest:  # replaced or refetched meanwhile
+            os.close(fd)
+            return "no", -1, r.size
+        return "ready", fd, r.size
 
     # -- fetching from holders -------------------------------------------------------
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtcfs/peer/v1/peer.proto\x12\rmtcfs.peer.v1\"C\n\rHealthRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x0e\n\x06listen\x18\x03 \x01(\t\"\x93\x01\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x14\n\x0cram_capacity\x18\x04 \x01(\x04\x12\x10\n\x08ram_free\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\r\x12\x11\n\tdata_port\x18\x07 \x01(\r\"\xba\x03\n\x05\x45ntry\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0b\n\x03uid\x18\x05 \x01(\r\x12\x0b\n\x03gid\x18\x06 \x01(\r\x12\x10\n\x08mtime_ns\x18\x07 \x01(\x03\x12\x10\n\x08\x63time_ns\x18\x08 \x01(\x03\x12\x0c\n\x04size\x18\t \x01(\x04\x12\x0f\n\x07has_crc\x18\n \x01(\x08\x12\x0e\n\x06\x63rc32c\x18\x0b \x01(\r\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x0f\n\x07holders\x18\r \x03(\t\x12\x0e\n\x06target\x18\x0e \x01(\x0c\x12\x0f\n\x07lamport\x18\x0f \x01(\x04\x12\x0e\n\x06writer\x18\x10 \x01(\t\x12\x0f\n\x07removed\x18\x11 \x01(\x08\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x12\n\nblock_crcs\x18\x13 \x01(\x0c\x12\x19\n\x11persisted_version\x18\x14 \x01(\x04\x12\x12\n\ngeneration\x18\x15 \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x16 \x03(\t\x12\x0c\n\x04rdev\x18\x17 \x01(\x04\x12\"\n\x05links\x18\x18 \x03(\x0b\x32\x13.mtcfs.peer.v1.Link\x12\x0e\n\x06\x61uthor\x18\x19 \x01(\t\"$\n\x04Link\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\x0c\"X\n\x0b\x43hangeBatch\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12%\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x14.mtcfs.peer.v1.Entry\".\n\nBatchReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\"4\n\x0fSnapshotRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0e\n\x06listen\x18\x02 \x01(\t\"?\n\nPushHeader\x12#\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x14.mtcfs.peer.v1.Entry\x12\x0c\n\x04path\x18\x02 \x01(\t\"T\n\tPushChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.mtcfs.peer.v1.PushHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tPushReply\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"Y\n\x0c\x46\x65tchRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x11\n\x0fListHeldRequest\"S\n\x08HeldFile\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\"H\n\rListHeldReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x17.mtcfs.peer.v1.HeldFile2\xaa\x03\n\x04Peer\x12\x42\n\x06Health\x12\x1c.mtcfs.peer.v1.HealthRequest\x1a\x1a.mtcfs.peer.v1.HealthReply\x12\x42\n\tBroadcast\x12\x1a.mtcfs.peer.v1.ChangeBatch\x1a\x19.mtcfs.peer.v1.BatchReply\x12H\n\x08Snapshot\x12\x1e.mtcfs.peer.v1.SnapshotRequest\x1a\x1a.mtcfs.peer.v1.ChangeBatch0\x01\x12@\n\x08PushFile\x12\x18.mtcfs.peer.v1.PushChunk\x1a\x18.mtcfs.peer.v1.PushReply(\x01\x12\x44\n\tFetchFile\x12\x1b.mtcfs.peer.v1.FetchRequest\x1a\x18.mtcfs.peer.v1.DataChunk0\x01\x12H\n\x08ListHeld\x12\x1e.mtcfs.peer.v1.ListHeldRequest\x1a\x1c.mtcfs.peer.v1.ListHeldReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtcfs/peer/v1/peer.proto\x12\rmtcfs.peer.v1\"C\n\rHealthRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x0e\n\x06listen\x18\x03 \x01(\t\"\x93\x01\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x14\n\x0cram_capacity\x18\x04 \x01(\x04\x12\x10\n\x08ram_free\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\r\x12\x11\n\tdata_port\x18\x07 \x01(\r\"\xcb\x03\n\x05\x45ntry\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0b\n\x03uid\x18\x05 \x01(\r\x12\x0b\n\x03gid\x18\x06 \x01(\r\x12\x10\n\x08mtime_ns\x18\x07 \x01(\x03\x12\x10\n\x08\x63time_ns\x18\x08 \x01(\x03\x12\x0c\n\x04size\x18\t \x01(\x04\x12\x0f\n\x07has_crc\x18\n \x01(\x08\x12\x0e\n\x06\x63rc32c\x18\x0b \x01(\r\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x0f\n\x07holders\x18\r \x03(\t\x12\x0e\n\x06target\x18\x0e \x01(\x0c\x12\x0f\n\x07lamport\x18\x0f \x01(\x04\x12\x0e\n\x06writer\x18\x10 \x01(\t\x12\x0f\n\x07removed\x18\x11 \x01(\x08\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x12\n\nblock_crcs\x18\x13 \x01(\x0c\x12\x19\n\x11persisted_version\x18\x14 \x01(\x04\x12\x12\n\ngeneration\x18\x15 \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x16 \x03(\t\x12\x0c\n\x04rdev\x18\x17 \x01(\x04\x12\"\n\x05links\x18\x18 \x03(\x0b\x32\x13.mtcfs.peer.v1.Link\x12\x0e\n\x06\x61uthor\x18\x19 \x01(\t\x12\x0f\n\x07sources\x18\x1a \x03(\t\"$\n\x04Link\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\x0c\"X\n\x0b\x43hangeBatch\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12%\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x14.mtcfs.peer.v1.Entry\".\n\nBatchReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\"4\n\x0fSnapshotRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0e\n\x06listen\x18\x02 \x01(\t\"?\n\nPushHeader\x12#\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x14.mtcfs.peer.v1.Entry\x12\x0c\n\x04path\x18\x02 \x01(\t\"T\n\tPushChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.mtcfs.peer.v1.PushHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tPushReply\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"Y\n\x0c\x46\x65tchRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x11\n\x0fListHeldRequest\"S\n\x08HeldFile\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\"H\n\rListHeldReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x17.mtcfs.peer.v1.HeldFile2\xaa\x03\n\x04Peer\x12\x42\n\x06Health\x12\x1c.mtcfs.peer.v1.HealthRequest\x1a\x1a.mtcfs.peer.v1.HealthReply\x12\x42\n\tBroadcast\x12\x1a.mtcfs.peer.v1.ChangeBatch\x1a\x19.mtcfs.peer.v1.BatchReply\x12H\n\x08Snapshot\x12\x1e.mtcfs.peer.v1.SnapshotRequest\x1a\x1a.mtcfs.peer.v1.ChangeBatch0\x01\x12@\n\x08PushFile\x12\x18.mtcfs.peer.v1.PushChunk\x1a\x18.mtcfs.peer.v1.PushReply(\x01\x12\x44\n\tFetchFile\x12\x1b.mtcfs.peer.v1.FetchRequest\x1a\x18.mtcfs.peer.v1.DataChunk0\x01\x12H\n\x08ListHeld\x12\x1e.mtcfs.peer.v1.ListHeldRequest\x1a\x1c.mtcfs.peer.v1.ListHeldReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREPLY']._serialized_start=113
   _globals['_HEALTHREPLY']._serialized_end=260
   _globals['_ENTRY']._serialized_start=263
-  _globals['_ENTRY']._serialized_end=705
-  _globals['_LINK']._serialized_start=707
-  _globals['_LINK']._serialized_end=743
-  _globals['_CHANGEBATCH']._serialized_start=745
-  _globals['_CHANGEBATCH']._serialized_end=833
-  _globals['_BATCHREPLY']._serialized_start=835
-  _globals['_BATCHREPLY']._serialized_end=881
-  _globals['_SNAPSHOTREQUEST']._serialized_start=883
-  _globals['_SNAPSHOTREQUEST']._serialized_end=935
-  _globals['_PUSHHEADER']._serialized_start=937
-  _globals['_PUSHHEADER']._serialized_end=1000
-  _globals['_PUSHCHUNK']._serialized_start=1002
-  _globals['_PUSHCHUNK']._serialized_end=1086
-  _globals['_PUSHREPLY']._serialized_start=1088
-  _globals['_PUSHREPLY']._serialized_end=1132
-  _globals['_FETCHREQUEST']._serialized_start=1134
-  _globals['_FETCHREQUEST']._serialized_end=1223
-  _globals['_DATACHUNK']._serialized_start=1225
-  _globals['_DATACHUNK']._serialized_end=1266
-  _globals['_LISTHELDREQUEST']._serialized_start=1268
-  _globals['_LISTHELDREQUEST']._serialized_end=1285
-  _globals['_HELDFILE']._serialized_start=1287
-  _globals['_HELDFILE']._serialized_end=1370
-  _globals['_LISTHELDREPLY']._serialized_start=1372
-  _globals['_LISTHELDREPLY']._serialized_end=1444
-  _globals['_PEER']._serialized_start=1447
-  _globals['_PEER']._serialized_end=1873
+  _globals['_ENTRY']._serialized_end=722
+  _globals['_LINK']._serialized_start=724
+  _globals['_LINK']._serialized_end=760
+  _globals['_CHANGEBATCH']._serialized_start=762
+  _globals['_CHANGEBATCH']._serialized_end=850
+  _globals['_BATCHREPLY']._serialized_start=852
+  _globals['_BATCHREPLY']._serialized_end=898
+  _globals['_SNAPSHOTREQUEST']._serialized_start=900
+  _globals['_SNAPSHOTREQUEST']._serialized_end=952
+  _globals['_PUSHHEADER']._serialized_start=954
+  _globals['_PUSHHEADER']._serialized_end=1017
+  _globals['_PUSHCHUNK']._serialized_start=1019
+  _globals['_PUSHCHUNK']._serialized_end=1103
+  _globals['_PUSHREPLY']._serialized_start=1105
+  _globals['_PUSHREPLY']._serialized_end=1149
+  _globals['_FETCHREQUEST']._serialized_start=1151
+  _globals['_FETCHREQUEST']._serialized_end=1240
+  _globals['_DATACHUNK']._serialized_start=1242
+  _globals['_DATACHUNK']._serialized_end=1283
+  _globals['_LISTHELDREQUEST']._serialized_start=1285
+  _globals['_LISTHELDREQUEST']._serialized_end=1302
+  _globals['_HELDFILE']._serialized_start=1304
+  _globals['_HELDFILE']._serialized_end=1387
+  _globals['_LISTHELDREPLY']._serialized_start=1389
+  _globals['_LISTHELDREPLY']._serialized_end=1461
+  _globals['_PEER']._serialized_start=1464
+  _globals['_PEER']._serialized_end=1890
 # @@protoc_insertion_point(module_scope)
