@@ -1,0 +1,273 @@
+"""Index changes to every live host through a tree: each host sends to a few.
+
+A sans-IO state machine like mtcfs.peer.swim: the driver hands it what
+arrives and the time, and sends what it returns. It moves opaque change
+batches (`payload`, with a size for accounting) and hands each one to
+`deliver` once per host; what a batch holds is the index's business.
+
+The tree of a batch is rooted at its writer. The live hosts, by node id,
+form a ring; a host is given a RANGE of it, from itself up to (not
+including) `end` (the writer's range is the whole ring). It applies the
+batch, splits the live hosts of the rest of its range into `fanout`
+contiguous runs and forwards the batch to the first host of each run with
+that run as its range, so the tree has depth log_fanout(N) and every host
+sends at most `fanout` copies of each batch, whatever N. Ranges are
+disjoint by construction, so hosts whose views of the membership differ
+still never cover a host twice: a host in a range that its root thinks is
+dead is left out (membership gossip converges in seconds; see
+docs/peers.md).
+
+Acks go back up: a host acks its parent once it has applied the batch and
+every child it forwarded to has acked, so the writer's batch is complete
+when every live host has applied it: that is the commit rule
+(`complete`, used by `wait_applied`). A child that does not ack within
+`retry` gets the batch again (lost messages); a child found dead (`dead`,
+from membership) has its range re-split by the parent among the range's
+live hosts, so its subtree is not lost.
+
+Memory is bounded: a host keeps state only for batches in flight and a
+bounded memory of recent batch ids (duplicates are re-acked, not
+re-applied). Nothing is queued for a host that is away: it catches up by
+pulling one snapshot when it is back (mtcfs.peer.tier).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+FANOUT = 8
+RETRY = 0.25  # seconds before a child that has not acked gets the batch again
+REMEMBER = 4096  # recent batch ids kept: a late duplicate is acked, not re-applied
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    origin: str
+    seq: int
+    end: str  # the receiver's range: from itself up to `end` ("" or origin: the ring)
+    payload: object
+    size: int  # bytes of the payload on the wire (accounting only)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    origin: str
+    seq: int
+    start: str  # the range acked: [start, end)
+    end: str
+
+
+Message = Forward | Ack
+Out = list[tuple[str, Message]]
+
+
+@dataclass(slots=True)
+class _Child:
+    end: str
+    sent: float
+    tries: int = 0
+
+
+@dataclass(slots=True)
+class _Subtree:
+    """A batch in flight through this host: the range it covers, children not acked."""
+
+    parent: str  # "" at the writer
+    end: str
+    payload: object
+    size: int
+    children: dict[str, _Child] = field(default_factory=dict)
+
+
+@dataclass
+class Counters:
+    forwards_sent: int = 0
+    acks_sent: int = 0
+    retries: int = 0
+    regrafts: int = 0  # a dead child's range re-split
+    duplicates: int = 0
+    applied: int = 0
+
+
+def in_range(node: str, start: str, end: str) -> bool:
+    """node in the ring interval (start, end); end == start: the whole ring but start."""
+    if node == start:
+        return False
+    if start < end:
+        return start < node < end
+    return node > start or node < end
+
+
+class Fanout:
+    def __init__(self, me: str, live: Callable[[], Iterable[str]],
+                 deliver: Callable[[str, int, object], None], fanout: int = FANOUT,
+                 retry: float = RETRY) -> None:
+        """`live`: the other hosts membership counts as live (alive or suspect);
+        `deliver(origin, seq, payload)`: apply a batch here (once per batch)."""
+        self.me = me
+        self.live = live
+        self.deliver = deliver
+        self.fanout = fanout
+        self.retry = retry
+        self.counters = Counters()
+        self._seq = 0
+        # (origin, seq) -> end -> subtree: one range of a batch, or more after a regraft
+        self._flight: dict[tuple[str, int], dict[str, _Subtree]] = {}
+        self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._done: OrderedDict[tuple[str, int, str], None] = OrderedDict()
+        self.completed = 0  # this host's batches every live host has applied, in order
+        self._complete: set[int] = set()  # completed out of order, above `completed`
+
+    # -- the writer --------------------------------------------------------------------
+
+    def publish(self, payload: object, size: int, now: float) -> tuple[int, Out]:
+        """Send a batch of this host's changes to every live host. Returns its seq:
+        `complete(seq)` once every live host has applied it."""
+        self._seq += 1
+        key = (self.me, self._seq, self.me)
+        t = _Subtree("", self.me, payload, size)
+        self._flight.setdefault(key[:2], {})[self.me] = t
+        self._remember_seen((self.me, self._seq))
+        out = self._split(key, t, self._others(self.me, self.me), now)
+        return self._seq, out + self._finish_if_done(key, t)
+
+    def complete(self, seq: int) -> bool:
+        return seq <= self.completed or seq in self._complete
+
+    def published(self) -> int:
+        return self._seq
+
+    # -- messages ----------------------------------------------------------------------
+
+    def on_message(self, src: str, msg: Message, now: float) -> Out:
+        if isinstance(msg, Ack):
+            return self._on_ack(src, msg, now)
+        key = (msg.origin, msg.seq, msg.end)
+        if key in self._done:
+            self.counters.duplicates += 1
+            return [self._ack(src, msg.origin, msg.seq, msg.end)]
+        ranges = self._flight.setdefault(key[:2], {})
+        if msg.end in ranges:
+            self.counters.duplicates += 1  # being forwarded: the ack follows
+            ranges[msg.end].parent = src
+            return []
+        if (msg.origin, msg.seq) not in self._seen:
+            self._remember_seen((msg.origin, msg.seq))
+            self.counters.applied += 1
+            self.deliver(msg.origin, msg.seq, msg.payload)
+        t = _Subtree(src, msg.end, msg.payload, msg.size)
+        ranges[msg.end] = t
+        out = self._split(key, t, self._others(self.me, msg.end), now)
+        return out + self._finish_if_done(key, t)
+
+    def _on_ack(self, src: str, ack: Ack, now: float) -> Out:
+        for end, t in self._flight.get((ack.origin, ack.seq), {}).items():
+            c = t.children.get(ack.start)
+            if c is not None and c.end == ack.end:
+                del t.children[ack.start]
+                return self._finish_if_done((ack.origin, ack.seq, end), t)
+        return []
+
+    def _finish_if_done(self, key: tuple[str, int, str], t: _Subtree) -> Out:
+        if t.children:
+            return []
+        origin, seq, end = key
+        ranges = self._flight[(origin, seq)]
+        del ranges[end]
+        if not ranges:
+            del self._flight[(origin, seq)]
+        if not t.parent:
+            self._completed(seq)
+            return []
+        self._remember(self._done, key)
+        return [self._ack(t.parent, origin, seq, end)]
+
+    def _completed(self, seq: int) -> None:
+        self._complete.add(seq)
+        while self.completed + 1 in self._complete:
+            self.completed += 1
+            self._complete.discard(self.completed)
+
+    def _ack(self, dst: str, origin: str, seq: int, end: str) -> tuple[str, Message]:
+        self.counters.acks_sent += 1
+        return dst, Ack(origin, seq, self.me, end)
+
+    # -- the tree ----------------------------------------------------------------------
+
+    def _others(self, start: str, end: str) -> list[str]:
+        """The live hosts of the range (start, end), in ring order from start."""
+        ids = sorted(n for n in self.live() if in_range(n, start, end))
+        i = bisect.bisect_right(ids, start)
+        return ids[i:] + ids[:i]
+
+    def _split(self, key: tuple[str, int, str], t: _Subtree, hosts: list[str],
+               now: float) -> Out:
+        """Forward to the first host of each of up to `fanout` runs of `hosts`, each
+        with its run as its range (its end: the next run's first host, or ours)."""
+        out: Out = []
+        if not hosts:
+            return out
+        n = len(hosts)
+        runs = min(self.fanout, n)
+        starts = [n * i // runs for i in range(runs)]
+        for i, s in enumerate(starts):
+            child = hosts[s]
+            end = hosts[starts[i + 1]] if i + 1 < runs else t.end
+            t.children[child] = _Child(end, now)
+            out.append(self._forward(child, key, t, end))
+        return out
+
+    def _forward(self, dst: str, key: tuple[str, int, str], t: _Subtree,
+                 end: str) -> tuple[str, Message]:
+        self.counters.forwards_sent += 1
+        return dst, Forward(key[0], key[1], end, t.payload, t.size)
+
+    # -- time and membership -----------------------------------------------------------
+
+    def tick(self, now: float) -> Out:
+        """Resend to children that have not acked (their subtree dedups), backing off:
+        a child whose subtree waits for a host not yet found dead is not flooded."""
+        out: Out = []
+        for key, t in self._subtrees():
+            for child, c in t.children.items():
+                if now >= c.sent + self.retry * (1 << min(c.tries, 4)):
+                    c.sent, c.tries = now, c.tries + 1
+                    self.counters.retries += 1
+                    out.append(self._forward(child, key, t, c.end))
+        return out
+
+    def _subtrees(self) -> list[tuple[tuple[str, int, str], _Subtree]]:
+        return [((origin, seq, end), t) for (origin, seq), ranges in self._flight.items()
+                for end, t in ranges.items()]
+
+    def dead(self, node: str, now: float) -> Out:
+        """Membership declared `node` dead: its ranges go to its range's live hosts."""
+        out: Out = []
+        for key, t in self._subtrees():
+            c = t.children.pop(node, None)
+            if c is None:
+                continue
+            self.counters.regrafts += 1
+            hosts = [h for h in self._others(node, c.end) if h != self.me]
+            out += self._split(key, t, hosts, now)
+            out += self._finish_if_done(key, t)
+        return out
+
+    def in_flight(self) -> int:
+        return sum(len(r) for r in self._flight.values())
+
+    def _remember_seen(self, batch: tuple[str, int]) -> None:
+        self._remember(self._seen, batch)
+
+    @staticmethod
+    def _remember(d: OrderedDict, key: object) -> None:
+        d[key] = None
+        if len(d) > REMEMBER:
+            d.popitem(last=False)
+
+    def status(self) -> dict[str, object]:
+        return {"in_flight": self.in_flight(), "published": self._seq,
+                "completed": self.completed, **vars(self.counters)}
