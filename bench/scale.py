@@ -1,0 +1,305 @@
+"""Thousands of hosts: membership and index dissemination, simulated with the real code.
+
+    .venv/bin/python bench/run.py --only scale --hosts 100,300,1000
+    .venv/bin/python bench/scale.py --hosts 100,300,1000 [--real 16]   (no root needed)
+
+Per N: N SimHosts (tests/support/simnet.py) running mtcfs.peer.swim and
+mtcfs.peer.fanout in virtual time over an in-process network (latency
+0.2-2 ms, --loss of the messages dropped), 16 of them with the real
+replicated index, the rest with a compact one (stamps only). Phases:
+
+1. warm-up, then a steady window with no save: CPU (thread CPU time of each
+   host's handlers per simulated second: cores, protobuf sizing, its store)
+   and bytes sent + received per host per second;
+2. --steps saves: the committer makes the step's tmp directory; every host
+   writes 8 files in it and fsyncs (its batch goes down its tree; the fsync
+   returns when every live host applied it); once all have, the committer
+   renames the directory (the commit: it returns when every live host has
+   the rename). converge: from the commit call until a host has the whole step
+   (p99 over hosts and steps); commit: the rename's call to its return;
+3. 10 hosts killed at once: detect = for each live host, the time until it
+   marks all 10 dead (p99); partner_detect: the slowest replica partner of a
+   killed host; then a save with the 10 dead (commit_with_dead_s);
+4. a replacement for one of them (same node id) joins through one live host:
+   SYNC, refutation of its death, gossip until every live host marks it alive
+   (virtual time); and its index: one snapshot of --entries entries pulled from
+   one host, as protobuf pieces of 500, applied to a real index (measured in
+   wall time, outside the virtual clock). join_s = the later of the two.
+
+The last line printed is a JSON list, one object per N (a single N: a list of one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from support import simnet  # noqa: E402
+
+from mtcfs.peer import placement  # noqa: E402
+from mtcfs.peer.v1 import peer_pb2 as pb  # noqa: E402
+
+FILES_PER_HOST = 8  # a step's files per host (shards, metadata)
+KILLED = 10
+
+
+def p99(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+
+
+class Scenario:
+    def __init__(self, n: int, seed: int, loss: float, real: int, root: str) -> None:
+        self.n = n
+        self.rng = random.Random(seed)
+        ids = simnet.node_ids(n)
+        self.committer = ids[0]
+        self.real = [ids[0], *self.rng.sample(ids[1:], min(real, n) - 1)]
+        self.net = simnet.cluster(n, seed=seed, loss=loss, real_index=self.real, root=root)
+        self.loop = self.net.loop
+        self.lamport = 0
+        self.step_of: dict[tuple[str, int], int] = {}
+        self.step_need: dict[int, int] = {}
+        self.step_have: dict[tuple[str, int], int] = {}
+        self.step_done: dict[tuple[str, int], float] = {}
+        for h in self.net.hosts.values():
+            h.on_batch = self._on_batch
+
+    def live(self) -> list[simnet.SimHost]:
+        return [h for h in self.net.hosts.values() if h.up]
+
+    def _on_batch(self, host: simnet.SimHost, origin: str, seq: int) -> None:
+        step = self.step_of.get((origin, seq))
+        if step is None:
+            return
+        key = (host.node, step)
+        self.step_have[key] = self.step_have.get(key, 0) + 1
+        if self.step_have[key] == self.step_need[step]:
+            self.step_done[key] = self.loop.now
+
+    def _publish(self, host: simnet.SimHost, step: int, entries: list[pb.Entry]) -> int:
+        # The batch's (origin, seq) is known before it goes out: the writer applies
+        # it locally first (it counts for the writer too).
+        seq = host.tree.published() + 1
+        self.step_of[(host.node, seq)] = step
+        key = (host.node, step)
+        self.step_have[key] = self.step_have.get(key, 0) + 1
+        if self.step_have[key] == self.step_need[step]:
+            self.step_done[key] = self.loop.now
+        got = host.publish(pb.ChangeBatch(from_node=host.node, entries=entries))
+        assert got == seq
+        return seq
+
+    def _tick(self) -> int:
+        self.lamport += 1
+        return self.lamport
+
+    def save(self, step: int, limit: float = 30.0) -> dict[str, float]:
+        """One checkpoint step as Orbax saves it on every host."""
+        live = self.live()
+        c = self.net.hosts[self.committer]
+        self.step_need[step] = len(live) + 2  # every host's files, the mkdir, the rename
+        dir_id = f"step{step}"
+        t0 = self.loop.now
+        mk = self._publish(c, step, [simnet.entry(dir_id, "root", f"step_{step}.tmp",
+                                                   self._tick(), c.node, is_dir=True)])
+        done = self.loop.run_until_true(lambda: c.tree.complete(mk), limit)
+        assert done is not None, "mkdir did not complete"
+        fsyncs = {}
+        for h in live:
+            es = [simnet.entry(f"s{step}-{h.node}-{k}", dir_id, f"{h.node}-{k}", self._tick(),
+                               h.node, size=1 << 30) for k in range(FILES_PER_HOST)]
+            fsyncs[h.node] = self._publish(h, step, es)
+        done = self.loop.run_until_true(
+            lambda: all(self.net.hosts[n].tree.complete(s) for n, s in fsyncs.items()
+                        if self.net.hosts[n].up), limit)
+        assert done is not None, "fsyncs did not complete"
+        fsync_s = self.loop.now - t0
+        t_commit = self.loop.now
+        rename = self._publish(c, step, [simnet.entry(dir_id, "root", f"step_{step}",
+                                                       self._tick(), c.node, is_dir=True)])
+        done = self.loop.run_until_true(lambda: c.tree.complete(rename), limit, step=0.001)
+        assert done is not None, "commit did not complete"
+        commit_s = done - t_commit
+        everyone = self.loop.run_until_true(
+            lambda: all((h.node, step) in self.step_done for h in self.live()), limit)
+        assert everyone is not None, "the step did not reach every host"
+        conv = [self.step_done[(h.node, step)] - t_commit for h in self.live()]
+        return {"commit_s": commit_s, "converge_p99_s": p99(conv), "fsync_s": fsync_s,
+                "converge_from_start_p99_s": p99([c + t_commit - t0 for c in conv])}
+
+    def window(self, seconds: float) -> dict[str, float]:
+        """Steady state: CPU and bytes per host over `seconds` of simulated time."""
+        live = self.live()
+        cpu0 = {h.node: h.cpu for h in live}
+        b0 = {h.node: h.sent.bytes + h.received.bytes for h in live}
+        m0 = {h.node: h.sent.messages for h in live}
+        t0 = self.loop.now
+        self.loop.run_until(t0 + seconds)
+        span = self.loop.now - t0
+        cpu = [(h.cpu - cpu0[h.node]) / span * 100 for h in live]
+        byt = [(h.sent.bytes + h.received.bytes - b0[h.node]) / span for h in live]
+        msgs = [(h.sent.messages - m0[h.node]) / span for h in live]
+        return {"cpu_pct_per_host": p99(cpu), "cpu_pct_per_host_mean": sum(cpu) / len(cpu),
+                "bytes_per_host_s": p99(byt), "bytes_per_host_s_mean": sum(byt) / len(byt),
+                "messages_sent_per_host_s": sum(msgs) / len(msgs)}
+
+    def kill(self) -> tuple[dict[str, float], list[str]]:
+        spare = [n for n in self.net.hosts if n not in self.real]
+        victims = self.rng.sample(spare, KILLED)
+        ring = next(iter(self.net.hosts.values())).ring
+        partners = {v: placement.partners(ring, v, 1, lambda n: True) for v in victims}
+        tk = self.loop.now
+        for v in victims:
+            self.net.kill(v)
+        live = self.live()
+        done = self.loop.run_until_true(
+            lambda: all(all(v in h.marked_dead for v in victims) for h in live), 60, 0.05)
+        assert done is not None, "the dead were not all detected"
+        detect = [max(h.marked_dead[v] for v in victims) - tk for h in live]
+        partner = [self.net.hosts[p].marked_dead[v] - tk for v in victims
+                   for p in partners[v] if self.net.hosts[p].up]
+        false = sum(1 for h in live for d in h.marked_dead if d not in victims)
+        return {"detect_s": p99(detect), "detect_max_s": max(detect),
+                "partner_detect_max_s": max(partner), "false_deaths": false}, victims
+
+    def join_membership(self, node: str) -> float:
+        """A replacement host with a dead host's node id: time until every live host
+        marks it alive (virtual)."""
+        ring = next(iter(self.net.hosts.values())).ring
+        seed = placement.partners(ring, node, 1, lambda n: self.net.hosts[n].up)[0]
+        h = simnet.add_host(self.net, node)
+        h.on_batch = self._on_batch
+        t0 = self.loop.now
+        h.join(seed)
+        others = [x for x in self.live() if x is not h]
+        done = self.loop.run_until_true(
+            lambda: all(node in x.marked_alive and x.swim.is_live(node) for x in others), 30)
+        assert done is not None, "the replacement host was not seen alive everywhere"
+        return done - t0
+
+    def real_agree(self) -> bool:
+        """The real indexes and the compact ones hold the same stamps."""
+        digests = [self.net.hosts[n].store.digest() for n in self.real]
+        compact = next(h.store for h in self.live() if h.node not in self.real)
+        ref = compact.digest()
+        return all(d == ref for d in digests)
+
+    def close(self) -> None:
+        for n in self.real:
+            store = self.net.hosts[n].store
+            if isinstance(store, simnet.IndexStore):
+                store.close()
+
+
+def snapshot_join(entries: int, root: str) -> dict[str, float]:
+    """One snapshot of a real index of `entries` entries, pulled as protobuf pieces of
+    500 and applied to a fresh real index: wall seconds of each part."""
+    src = simnet.IndexStore("source", os.path.join(root, "snap-source"))
+    hosts = max(1, entries // (10 * FILES_PER_HOST))
+    lam = 0
+    for step in range(10):
+        lam += 1
+        src.index.apply([simnet.entry(f"d{step}", "root", f"step_{step}", lam, "h0000",
+                                      is_dir=True)])
+        for h in range(hosts):
+            lam += 1
+            src.index.apply([simnet.entry(f"f{step}-{h}-{k}", f"d{step}", f"h{h}-{k}", lam,
+                                          f"h{h:04d}", size=1 << 30)
+                             for k in range(FILES_PER_HOST)])
+    t0 = time.perf_counter()
+    snap = list(src.index.snapshot())
+    pieces = [pb.ChangeBatch(from_node="source", entries=snap[i:i + 500]).SerializeToString()
+              for i in range(0, len(snap), 500)]
+    t1 = time.perf_counter()
+    dst = simnet.IndexStore("joiner", os.path.join(root, "snap-joiner"))
+    for p in pieces:
+        b = pb.ChangeBatch()
+        b.ParseFromString(p)
+        dst.index.apply(list(b.entries))
+    t2 = time.perf_counter()
+    ok = dst.digest() == src.digest()
+    src.close()
+    dst.close()
+    assert ok, "the joiner's index differs from its source's"
+    return {"snapshot_entries": len(snap), "snapshot_bytes": sum(map(len, pieces)),
+            "snapshot_serve_s": t1 - t0, "snapshot_apply_s": t2 - t1}
+
+
+def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: int,
+            steady: float) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="mtcfs-scale-", dir="/dev/shm")
+    started = time.process_time()
+    s = Scenario(n, seed, loss, real, root)
+    try:
+        s.loop.run_until(5.0)  # warm-up: everyone probed a few times
+        out: dict[str, Any] = {"hosts": n, "loss": loss, "real_index_hosts": len(s.real)}
+        out.update(s.window(steady))
+        saves = [s.save(k) for k in range(1, steps + 1)]
+        out["commit_s"] = max(x["commit_s"] for x in saves)
+        out["converge_p99_s"] = max(x["converge_p99_s"] for x in saves)
+        out["converge_from_start_p99_s"] = max(x["converge_from_start_p99_s"] for x in saves)
+        out["fsync_s"] = max(x["fsync_s"] for x in saves)
+        det, victims = s.kill()
+        out.update(det)
+        with_dead = s.save(steps + 1)
+        out["commit_with_dead_s"] = with_dead["commit_s"]
+        out["join_membership_s"] = s.join_membership(victims[0])
+        out["index_agree"] = s.real_agree()
+        snap = snapshot_join(entries, root)
+        out.update(snap)
+        out["join_s"] = max(out["join_membership_s"],
+                            snap["snapshot_serve_s"] + snap["snapshot_apply_s"])
+        out["simulated_s"] = round(s.loop.now, 1)
+        out["sim_cpu_s"] = round(time.process_time() - started, 1)
+    finally:
+        s.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def parse_hosts(text: str) -> list[int]:
+    try:
+        hosts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hosts: not a comma list of numbers: {text}")
+    if not hosts or any(h < 2 * KILLED + 2 for h in hosts):
+        raise argparse.ArgumentTypeError(f"--hosts: each at least {2 * KILLED + 2}")
+    return hosts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", type=parse_hosts, default=parse_hosts("100,300,1000"))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--loss", type=float, default=0.001, help="messages dropped [0.001]")
+    p.add_argument("--real", type=int, default=16, help="hosts with the real index [16]")
+    p.add_argument("--steps", type=int, default=2, help="saves measured [2]")
+    p.add_argument("--entries", type=int, default=80_000, help="the joiner's index [80000]")
+    p.add_argument("--steady", type=float, default=10.0, help="steady window, s [10]")
+    args = p.parse_args(argv)
+    results = []
+    for n in args.hosts:
+        r = run_one(n, seed=args.seed, loss=args.loss, real=args.real, steps=args.steps,
+                    entries=args.entries, steady=args.steady)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+        results.append(r)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
