@@ -94,6 +94,11 @@ class SwimListener(Protocol):
 
     def member_dead(self, node: str) -> None: ...
 
+    def declared_dead(self) -> None:
+        """Others declared this host dead (it was cut off, or too slow): it refuted, and
+        must reconcile its index with a live host's, both ways (trees skipped it, and
+        its own changes meanwhile reached only the hosts it saw)."""
+
 
 @dataclass(slots=True)
 class _Member:
@@ -301,6 +306,8 @@ class Swim:
                 self.incarnation = u.incarnation + 1
                 self.counters.refutations += 1
                 self._spread(Update(self.me, ALIVE, self.incarnation))
+                if u.state == DEAD:
+                    self.listener.declared_dead()
             return
         m = self.members.get(u.node)
         if m is None:
@@ -380,6 +387,7 @@ class Recorder:
 
     alive: list[tuple[str, float]] = field(default_factory=list)
     dead: list[tuple[str, float]] = field(default_factory=list)
+    revived: list[float] = field(default_factory=list)
     clock: Callable[[], float] = lambda: 0.0
 
     def member_alive(self, node: str) -> None:
@@ -387,3 +395,6 @@ class Recorder:
 
     def member_dead(self, node: str) -> None:
         self.dead.append((node, self.clock()))
+
+    def declared_dead(self) -> None:
+        self.revived.append(self.clock())

@@ -75,26 +75,31 @@ class Store(Protocol):
 
     def digest(self) -> dict[str, tuple[int, str]]: ...
 
+    def snapshot(self) -> list[pb.Entry]: ...
+
 
 class CompactStore:
-    """An index reduced to each entry's stamp, merged last-writer-wins."""
+    """An index reduced to a map id -> newest entry, merged last-writer-wins; the
+    entries are shared with the sender's batch (no copy per host)."""
 
     def __init__(self) -> None:
-        self.stamps: dict[str, tuple[int, str]] = {}
+        self.entries: dict[str, pb.Entry] = {}
 
     def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
-        stamps = self.stamps
-        for e in batch.entries:
-            s = (e.lamport, e.writer)
-            old = stamps.get(e.id)
-            if old is None or s > old:
-                stamps[e.id] = s
+        self.merge(batch.entries)
+
+    def merge(self, entries: Iterable[pb.Entry]) -> None:
+        have = self.entries
+        for e in entries:
+            old = have.get(e.id)
+            if old is None or (e.lamport, e.writer) > (old.lamport, old.writer):
+                have[e.id] = e
 
     def digest(self) -> dict[str, tuple[int, str]]:
-        return dict(self.stamps)
+        return {g: (e.lamport, e.writer) for g, e in self.entries.items()}
 
     def snapshot(self) -> list[pb.Entry]:
-        return [pb.Entry(id=g, lamport=lam, writer=w) for g, (lam, w) in self.stamps.items()]
+        return list(self.entries.values())
 
 
 class IndexStore:
@@ -107,6 +112,9 @@ class IndexStore:
 
     def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
         self.index.apply(list(batch.entries))
+
+    def snapshot(self) -> list[pb.Entry]:
+        return list(self.index.snapshot())
 
     def digest(self) -> dict[str, tuple[int, str]]:
         out = {n.guid: (n.lamport, n.writer) for n in self.index.ns.inodes.values()
@@ -143,6 +151,8 @@ class SimHost:
     marked_dead: dict[str, float] = field(default_factory=dict)
     marked_alive: dict[str, float] = field(default_factory=dict)
     batches: set[tuple[str, int]] = field(default_factory=set)
+    revivals: int = 0  # times this host learnt it had been declared dead
+    snapshot_entries: int = 0  # entries pulled by reconciliation snapshots
     on_batch: Callable[[SimHost, str, int], None] | None = None
 
     def __post_init__(self) -> None:
@@ -167,6 +177,29 @@ class SimHost:
     def member_dead(self, node: str) -> None:
         self.marked_dead[node] = self.net.loop.now
         self._out += self.tree.dead(node, self.net.loop.now)
+
+    def declared_dead(self) -> None:
+        """Reconcile with one live host, as the daemon's catch-up does: pull its
+        snapshot, and send it (and everyone) what this host wrote (one batch)."""
+        self.revivals += 1
+        self.net.loop.after(0.01, self._reconcile)
+
+    def _reconcile(self) -> None:
+        same_kind = [n for n in self.swim.live() if n in self.net.hosts
+                     and type(self.net.hosts[n].store) is type(self.store)]
+        if not same_kind or not self.up:
+            return
+        source = self.net.hosts[self.net.rng.choice(same_kind)]
+        if not source.up:
+            return
+        t0 = time.thread_time()
+        snap = source.store.snapshot()
+        self.store.apply("", 0, pb.ChangeBatch(entries=snap))
+        self.snapshot_entries += len(snap)
+        mine = [e for e in self.store.snapshot() if e.writer == self.node]
+        self.cpu += time.thread_time() - t0
+        if mine:
+            self.publish(pb.ChangeBatch(from_node=self.node, entries=mine))
 
     def _deliver(self, origin: str, seq: int, payload: object) -> None:
         assert isinstance(payload, pb.ChangeBatch)
