@@ -113,3 +113,17 @@ def test_a_host_away_for_long_catches_up_with_one_snapshot() -> None:
     assert t is not None
     assert back.revivals >= 1
     assert back.snapshot_entries <= 2 * len(net.hosts["h0000"].store.digest())
+
+
+@given(ids=st.sets(st.integers(0, 50), min_size=1, max_size=30), start=st.integers(0, 50),
+       end=st.integers(0, 50))
+def test_a_range_holds_the_live_hosts_between_its_ends_in_ring_order(ids, start, end) -> None:
+    names = sorted(f"n{i:02d}" for i in ids)
+    f = fanout.Fanout("me", lambda: names, lambda *a: None)
+    s, e = f"n{start:02d}", f"n{end:02d}"
+    span = f._others(s, e)
+    got = [span[k] for k in range(len(span))]
+    want = [x for x in names if fanout.in_range(x, s, e)]
+    assert sorted(got) == want
+    # In ring order from start: the ones after start first.
+    assert got == [x for x in want if x > s] + [x for x in want if x < s]

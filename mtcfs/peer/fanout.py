@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 FANOUT = 8
@@ -101,11 +101,27 @@ def in_range(node: str, start: str, end: str) -> bool:
     return node > start or node < end
 
 
+class _Span:
+    """`count` hosts of a sorted list from index `first` on, wrapping around."""
+
+    __slots__ = ("ids", "first", "count")
+
+    def __init__(self, ids: Sequence[str], first: int, count: int) -> None:
+        self.ids, self.first, self.count = ids, first, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, k: int) -> str:
+        return self.ids[(self.first + k) % len(self.ids)]
+
+
 class Fanout:
-    def __init__(self, me: str, live: Callable[[], Iterable[str]],
+    def __init__(self, me: str, live: Callable[[], Sequence[str]],
                  deliver: Callable[[str, int, object], None], fanout: int = FANOUT,
                  retry: float = RETRY) -> None:
-        """`live`: the other hosts membership counts as live (alive or suspect);
+        """`live`: the other hosts membership counts as live (alive or suspect), sorted
+        by node id (Swim.live);
         `deliver(origin, seq, payload)`: apply a batch here (once per batch)."""
         self.me = me
         self.live = live
@@ -197,13 +213,18 @@ class Fanout:
 
     # -- the tree ----------------------------------------------------------------------
 
-    def _others(self, start: str, end: str) -> list[str]:
-        """The live hosts of the range (start, end), in ring order from start."""
-        ids = sorted(n for n in self.live() if in_range(n, start, end))
-        i = bisect.bisect_right(ids, start)
-        return ids[i:] + ids[:i]
+    def _others(self, start: str, end: str) -> _Span:
+        """The live hosts of the range (start, end), in ring order from start: found
+        by bisection in membership's sorted list, so a batch costs O(fanout log N)."""
+        ids = self.live()
+        i0 = bisect.bisect_right(ids, start)
+        if start < end:
+            count = bisect.bisect_left(ids, end) - i0
+        else:  # the range wraps around (or is the whole ring: start == end)
+            count = len(ids) - i0 + bisect.bisect_left(ids, end)
+        return _Span(ids, i0, count)
 
-    def _split(self, key: tuple[str, int, str], t: _Subtree, hosts: list[str],
+    def _split(self, key: tuple[str, int, str], t: _Subtree, hosts: _Span,
                now: float) -> Out:
         """Forward to the first host of each of up to `fanout` runs of `hosts`, each
         with its run as its range (its end: the next run's first host, or ours)."""
@@ -251,8 +272,7 @@ class Fanout:
             if c is None:
                 continue
             self.counters.regrafts += 1
-            hosts = [h for h in self._others(node, c.end) if h != self.me]
-            out += self._split(key, t, hosts, now)
+            out += self._split(key, t, self._others(node, c.end), now)
             out += self._finish_if_done(key, t)
         return out
 

@@ -51,13 +51,19 @@ def rank(writer: str, domain: str, peers: Sequence[C]) -> list[C]:
     return sorted(after, key=lambda p: bool(domain) and p.domain == domain)
 
 
-def partners(order: Sequence[str], me: str, k: int, is_live: Callable[[str], bool]) -> list[str]:
+def partners(order: Sequence[str], me: str, k: int, is_live: Callable[[str], bool],
+             at: int | None = None) -> list[str]:
     """On a ring (`ring()`), the hosts `me` replicates to (its k live successors) and
     those that replicate to it (its k live predecessors): the hosts membership probes
-    most often, as they are the first to need to know of a death."""
-    if me not in order or k < 1:
+    most often, as they are the first to need to know of a death. `at`: me's index
+    in `order`, if known."""
+    if at is None:
+        if me not in order:
+            return []
+        at = order.index(me)
+    if k < 1:
         return []
-    i, n = order.index(me), len(order)
+    i, n = at, len(order)
     out: list[str] = []
     for step in (1, -1):
         found, j = 0, i

@@ -37,6 +37,7 @@ acks, and a bounded amount of gossip, whatever the number of hosts.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Callable, Iterable
@@ -151,6 +152,10 @@ class Swim:
         self.rng = rng
         self.partners = partners
         self.members: dict[str, _Member] = {m: _Member(ALIVE, 0) for m in members if m != me}
+        # Kept up to date on every change, so that no timer or batch scans all members:
+        self._live = sorted(self.members)  # alive or suspect, by node id
+        self._dead: set[str] = set()
+        self._suspects: set[str] = set()
         self.counters = Counters()
         self._seq = 0
         self._order: list[str] = []  # this pass of the round robin
@@ -176,10 +181,11 @@ class Swim:
         return self.state_of(node) != DEAD
 
     def live(self) -> list[str]:
-        return [n for n, m in self.members.items() if m.state != DEAD]
+        """The members alive or suspect, sorted by node id (the list itself: read only)."""
+        return self._live
 
     def dead(self) -> list[str]:
-        return [n for n, m in self.members.items() if m.state == DEAD]
+        return sorted(self._dead)
 
     def size(self) -> int:
         """Members known, this host included (the N of log N)."""
@@ -209,10 +215,10 @@ class Swim:
                 out.append(self._ping(target, now, cfg.partner_period))
         if now >= self._next_dead_probe:
             self._next_dead_probe = now + cfg.dead_probe_interval
-            dead = self.dead()
-            if dead:
+            if self._dead:
                 # Not a probe (no suspicion follows): a cut-off host learns it is dead.
-                out.append(self._send(self.rng.choice(dead), Message(PING, seq=self._next_seq())))
+                out.append(self._send(self.rng.choice(self.dead()),
+                                      Message(PING, seq=self._next_seq())))
         for seq, p in list(self._probes.items()):
             if now >= p.deadline:
                 del self._probes[seq]
@@ -223,12 +229,11 @@ class Swim:
         for seq, r in list(self._relays.items()):
             if now >= r.expires:
                 del self._relays[seq]
-        for node, m in list(self.members.items()):
-            if m.state == SUSPECT and now >= m.suspect_deadline:
-                self._learn(Update(node, DEAD, m.incarnation), now)
+        for node in [n for n in self._suspects if now >= self.members[n].suspect_deadline]:
+            self._learn(Update(node, DEAD, self.members[node].incarnation), now)
         if self._news and now >= self._next_gossip:
             self._next_gossip = now + cfg.gossip_interval
-            live = self.live()
+            live = self._live
             for dst in self.rng.sample(live, min(cfg.gossip_fanout, len(live))):
                 out.append(self._send(dst, Message(GOSSIP)))
         return out
@@ -236,7 +241,7 @@ class Swim:
     def _next_target(self) -> str:
         while True:
             if not self._order:
-                self._order = self.live()
+                self._order = list(self._live)
                 self.rng.shuffle(self._order)
                 if not self._order:
                     return ""
@@ -262,8 +267,9 @@ class Swim:
         return self._send(target, Message(PING, seq=seq))
 
     def _ping_req(self, seq: int, target: str) -> Out:
-        others = [n for n in self.live() if n != target]
-        helpers = self.rng.sample(others, min(self.config.indirect, len(others)))
+        live = self._live
+        k = min(self.config.indirect + 1, len(live))
+        helpers = [n for n in self.rng.sample(live, k) if n != target][:self.config.indirect]
         self.counters.indirect_probes += len(helpers)
         return [self._send(h, Message(PING_REQ, seq=seq, target=target)) for h in helpers]
 
@@ -312,6 +318,7 @@ class Swim:
         m = self.members.get(u.node)
         if m is None:
             self.members[u.node] = m = _Member(DEAD, -1)
+            self._dead.add(u.node)
             if u.state == DEAD:
                 m.incarnation = u.incarnation
                 return
@@ -326,6 +333,7 @@ class Swim:
             return
         was = m.state
         m.state, m.incarnation = u.state, u.incarnation
+        self._index(u.node, was, u.state)
         if u.state == SUSPECT:
             m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
         self._spread(u)
@@ -336,6 +344,20 @@ class Swim:
             for seq in [s for s, p in self._probes.items() if p.target == u.node]:
                 del self._probes[seq]
             self.listener.member_dead(u.node)
+
+    def _index(self, node: str, was: int, now: int) -> None:
+        if now == SUSPECT:
+            self._suspects.add(node)
+        else:
+            self._suspects.discard(node)
+        if (was == DEAD) == (now == DEAD):
+            return
+        if now == DEAD:
+            self._dead.add(node)
+            self._live.pop(bisect.bisect_left(self._live, node))
+        else:
+            self._dead.discard(node)
+            bisect.insort(self._live, node)
 
     def _suspect(self, node: str, now: float) -> None:
         m = self.members.get(node)
@@ -370,12 +392,11 @@ class Swim:
                             msg.updates + tuple(updates))
 
     def status(self) -> dict[str, object]:
-        states = [m.state for m in self.members.values()]
         return {
             "incarnation": self.incarnation,
-            "alive": states.count(ALIVE) + 1,
-            "suspect": states.count(SUSPECT),
-            "dead": states.count(DEAD),
+            "alive": len(self._live) - len(self._suspects) + 1,
+            "suspect": len(self._suspects),
+            "dead": len(self._dead),
             "news": len(self._news),
             **{k: v for k, v in vars(self.counters).items()},
         }

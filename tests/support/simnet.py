@@ -162,11 +162,13 @@ class SimHost:
         self.tree = fanout.Fanout(self.node, self.swim.live, self._deliver,
                                   fanout=self.fanout_degree)
         self._out: list[tuple[str, object]] = []
+        self._ring_at = self.ring.index(self.node)
         self.up = True
         loop.after(self.net.rng.random() * swim.TICK, self._tick)
 
     def _partners(self) -> list[str]:
-        return placement.partners(self.ring, self.node, self.replicas, self.swim.is_live)
+        return placement.partners(self.ring, self.node, self.replicas, self.swim.is_live,
+                                  self._ring_at)
 
     # -- membership events (SwimListener) -----------------------------------------------
 
