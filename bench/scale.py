@@ -32,11 +32,13 @@ The last line printed is a JSON list, one object per N (a single N: a list of on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -62,14 +64,21 @@ def p99(xs: list[float]) -> float:
 
 
 class Scenario:
-    def __init__(self, n: int, seed: int, loss: float, real: int, root: str) -> None:
+    def __init__(self, n: int, seed: int, loss: float, real: int, root: str,
+                 kills: int = KILLED, net: Any = None) -> None:
+        """net: hosts already made (support.grpcnet), else simulated ones."""
         self.n = n
+        self.kills = kills
         self.rng = random.Random(seed)
         ids = simnet.node_ids(n)
         self.committer = ids[0]
         self.real = [ids[0], *self.rng.sample(ids[1:], min(real, n) - 1)]
-        self.net = simnet.cluster(n, seed=seed, loss=loss, real_index=self.real, root=root)
-        self.loop = self.net.loop
+        if net is None:
+            net = simnet.cluster(n, seed=seed, loss=loss, real_index=self.real, root=root)
+        self.net = net
+        self.loop = net.loop
+        # The hosts' code runs under this lock over gRPC (their threads); here, unneeded.
+        self.guard = getattr(self.loop, "lock", None) or contextlib.nullcontext()
         self.lamport = 0
         self.step_of: dict[tuple[str, int], int] = {}
         self.step_need: dict[int, int] = {}
@@ -93,13 +102,14 @@ class Scenario:
     def _publish(self, host: simnet.SimHost, step: int, entries: list[pb.Entry]) -> int:
         # The batch's (origin, seq) is known before it goes out: the writer applies
         # it locally first (it counts for the writer too).
-        seq = host.tree.published() + 1
-        self.step_of[(host.node, seq)] = step
-        key = (host.node, step)
-        self.step_have[key] = self.step_have.get(key, 0) + 1
-        if self.step_have[key] == self.step_need[step]:
-            self.step_done[key] = self.loop.now
-        got = host.publish(pb.ChangeBatch(from_node=host.node, entries=entries))
+        with self.guard:
+            seq = host.tree.published() + 1
+            self.step_of[(host.node, seq)] = step
+            key = (host.node, step)
+            self.step_have[key] = self.step_have.get(key, 0) + 1
+            if self.step_have[key] == self.step_need[step]:
+                self.step_done[key] = self.loop.now
+            got = host.publish(pb.ChangeBatch(from_node=host.node, entries=entries))
         assert got == seq
         return seq
 
@@ -136,7 +146,17 @@ class Scenario:
         commit_s = done - t_commit
         everyone = self.loop.run_until_true(
             lambda: all((h.node, step) in self.step_done for h in self.live()), limit)
-        assert everyone is not None, "the step did not reach every host"
+        if everyone is None:
+            missing = {h.node: self.step_have.get((h.node, step), 0) for h in self.live()
+                       if (h.node, step) not in self.step_done}
+            revived = sum(h.revivals for h in self.live())
+            deaths = {h.node: h.swim.counters.deaths for h in self.live() if h.swim.counters.deaths}
+            lacking = {h.node: sorted(b for b, st in self.step_of.items() if st == step
+                                      and b not in h.batches) for h in self.live()
+                       if (h.node, step) not in self.step_done}
+            print(f"{deaths=} {lacking=}", file=sys.stderr)
+            raise AssertionError(f"step {step} did not reach every host ({revived} revivals; of "
+                                 f"{self.step_need[step]} batches, they have {missing})")
         conv = [self.step_done[(h.node, step)] - t_commit for h in self.live()]
         return {"commit_s": commit_s, "converge_p99_s": p99(conv), "fsync_s": fsync_s,
                 "converge_from_start_p99_s": p99([c + t_commit - t0 for c in conv])}
@@ -147,19 +167,23 @@ class Scenario:
         cpu0 = {h.node: h.cpu for h in live}
         b0 = {h.node: h.sent.bytes + h.received.bytes for h in live}
         m0 = {h.node: h.sent.messages for h in live}
-        t0 = self.loop.now
+        t0, p0 = self.loop.now, time.process_time()
         self.loop.run_until(t0 + seconds)
         span = self.loop.now - t0
+        process = (time.process_time() - p0) / span / len(live) * 100
         cpu = [(h.cpu - cpu0[h.node]) / span * 100 for h in live]
         byt = [(h.sent.bytes + h.received.bytes - b0[h.node]) / span for h in live]
         msgs = [(h.sent.messages - m0[h.node]) / span for h in live]
         return {"cpu_pct_per_host": p99(cpu), "cpu_pct_per_host_mean": sum(cpu) / len(cpu),
                 "bytes_per_host_s": p99(byt), "bytes_per_host_s_mean": sum(byt) / len(byt),
-                "messages_sent_per_host_s": sum(msgs) / len(msgs)}
+                "messages_sent_per_host_s": sum(msgs) / len(msgs),
+                "process_cpu_pct_per_host": process}
 
     def kill(self) -> tuple[dict[str, float], list[str]]:
         spare = [n for n in self.net.hosts if n not in self.real]
-        victims = self.rng.sample(spare, KILLED)
+        if len(spare) < self.kills:  # every host has the real index (the gRPC check)
+            spare = [n for n in self.net.hosts if n != self.committer]
+        victims = self.rng.sample(spare, self.kills)
         ring = next(iter(self.net.hosts.values())).ring
         partners = {v: placement.partners(ring, v, 1, lambda n: True) for v in victims}
         tk = self.loop.now
@@ -181,10 +205,14 @@ class Scenario:
         marks it alive (virtual)."""
         ring = next(iter(self.net.hosts.values())).ring
         seed = placement.partners(ring, node, 1, lambda n: self.net.hosts[n].up)[0]
-        h = simnet.add_host(self.net, node)
-        h.on_batch = self._on_batch
-        t0 = self.loop.now
-        h.join(seed)
+        serve = getattr(self.net, "serve", None)
+        if serve is not None:
+            serve(node)
+        with self.guard:
+            h = simnet.add_host(self.net, node)
+            h.on_batch = self._on_batch
+            t0 = self.loop.now
+            h.join(seed)
         others = [x for x in self.live() if x is not h]
         done = self.loop.run_until_true(
             lambda: all(node in x.marked_alive and x.swim.is_live(node) for x in others), 30)
@@ -193,10 +221,11 @@ class Scenario:
 
     def real_agree(self) -> bool:
         """The real indexes and the compact ones hold the same stamps."""
-        digests = [self.net.hosts[n].store.digest() for n in self.real]
-        compact = next(h.store for h in self.live() if h.node not in self.real)
-        ref = compact.digest()
-        return all(d == ref for d in digests)
+        with self.guard:
+            digests = [self.net.hosts[n].store.digest() for n in self.real]
+            others = [h.store for h in self.live() if h.node not in self.real]
+            ref = (others[0] if others else self.net.hosts[self.real[1]].store).digest()
+            return all(d == ref for d in digests)
 
     def close(self) -> None:
         for n in self.real:
@@ -239,26 +268,35 @@ def snapshot_join(entries: int, root: str) -> dict[str, float]:
             "snapshot_serve_s": t1 - t0, "snapshot_apply_s": t2 - t1}
 
 
+def measure(s: Scenario, steps: int, steady: float) -> dict[str, Any]:
+    """The phases common to the simulation and the gRPC check."""
+    s.loop.run_until(s.loop.now + 5.0)  # warm-up: everyone probed a few times
+    out: dict[str, Any] = {"hosts": s.n, "real_index_hosts": len(s.real)}
+    out.update(s.window(steady))
+    saves = [s.save(k) for k in range(1, steps + 1)]
+    out["commit_s"] = max(x["commit_s"] for x in saves)
+    out["converge_p99_s"] = max(x["converge_p99_s"] for x in saves)
+    out["converge_from_start_p99_s"] = max(x["converge_from_start_p99_s"] for x in saves)
+    out["fsync_s"] = max(x["fsync_s"] for x in saves)
+    det, victims = s.kill()
+    out["killed"] = len(victims)
+    out.update(det)
+    with_dead = s.save(steps + 1)
+    out["commit_with_dead_s"] = with_dead["commit_s"]
+    out["index_agree"] = s.real_agree()
+    out["join_membership_s"] = s.join_membership(victims[0])
+    return out
+
+
 def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: int,
             steady: float) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="mtcfs-scale-", dir="/dev/shm")
     started = time.process_time()
     s = Scenario(n, seed, loss, real, root)
     try:
-        s.loop.run_until(5.0)  # warm-up: everyone probed a few times
-        out: dict[str, Any] = {"hosts": n, "loss": loss, "real_index_hosts": len(s.real)}
-        out.update(s.window(steady))
-        saves = [s.save(k) for k in range(1, steps + 1)]
-        out["commit_s"] = max(x["commit_s"] for x in saves)
-        out["converge_p99_s"] = max(x["converge_p99_s"] for x in saves)
-        out["converge_from_start_p99_s"] = max(x["converge_from_start_p99_s"] for x in saves)
-        out["fsync_s"] = max(x["fsync_s"] for x in saves)
-        det, victims = s.kill()
-        out.update(det)
-        with_dead = s.save(steps + 1)
-        out["commit_with_dead_s"] = with_dead["commit_s"]
-        out["join_membership_s"] = s.join_membership(victims[0])
-        out["index_agree"] = s.real_agree()
+        out = measure(s, steps, steady)
+        out["loss"] = loss
+        del out["process_cpu_pct_per_host"]  # the simulator's own, not a host's
         snap = snapshot_join(entries, root)
         out.update(snap)
         out["join_s"] = max(out["join_membership_s"],
@@ -269,6 +307,39 @@ def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: i
         s.close()
         shutil.rmtree(root, ignore_errors=True)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def check_grpc(n: int, *, seed: int, steps: int, steady: float) -> dict[str, Any]:
+    """The same scenario on n hosts twice: simulated, and over gRPC on loopback in real
+    time (every host with the real index, no injected loss, n // 8 killed)."""
+    from support import grpcnet
+
+    kills = max(1, n // 8)
+    out: dict[str, Any] = {}
+    for kind in ("sim", "grpc"):
+        root = tempfile.mkdtemp(prefix=f"mtcfs-check-{kind}-", dir="/dev/shm")
+        net = None
+        if kind == "grpc":
+            net = grpcnet.cluster({node: free_port() for node in simnet.node_ids(n)}, root,
+                                  seed=seed)
+        s = Scenario(n, seed, 0.0, n, root, kills=kills, net=net)
+        try:
+            r = measure(s, steps, steady)
+        finally:
+            if net is not None:
+                net.close()
+            s.close()
+            shutil.rmtree(root, ignore_errors=True)
+        if kind == "sim":
+            del r["process_cpu_pct_per_host"]
+        out[kind] = {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def parse_hosts(text: str) -> list[int]:
@@ -290,7 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="saves measured [2]")
     p.add_argument("--entries", type=int, default=80_000, help="the joiner's index [80000]")
     p.add_argument("--steady", type=float, default=10.0, help="steady window, s [10]")
+    p.add_argument("--check-grpc", type=int, metavar="N", default=0,
+                   help="instead: the scenario on N hosts simulated and over gRPC on loopback")
     args = p.parse_args(argv)
+    if args.check_grpc:
+        print(json.dumps(check_grpc(args.check_grpc, seed=args.seed, steps=args.steps,
+                                    steady=args.steady)))
+        return 0
     results = []
     for n in args.hosts:
         r = run_one(n, seed=args.seed, loss=args.loss, real=args.real, steps=args.steps,

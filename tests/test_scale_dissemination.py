@@ -127,3 +127,28 @@ def test_a_range_holds_the_live_hosts_between_its_ends_in_ring_order(ids, start,
     assert sorted(got) == want
     # In ring order from start: the ones after start first.
     assert got == [x for x in want if x > s] + [x for x in want if x < s]
+
+
+def test_a_host_left_out_while_thought_dead_gets_the_batch_when_back() -> None:
+    """A false death (a flap): the writer routes without the host, then sees it alive
+    again and resends it what it routed meanwhile; the host's ack completes nothing."""
+    live = {"w": ["a"], "a": ["w", "y"], "y": ["a", "w"]}
+    got: dict[str, list[int]] = {n: [] for n in live}
+    hosts = {n: fanout.Fanout(n, lambda n=n: live[n], lambda o, s, p, n=n: got[n].append(s))
+             for n in live}
+
+    def run(out: list, src: str) -> None:
+        todo = [(src, dst, m) for dst, m in out]
+        while todo:
+            s, d, m = todo.pop(0)
+            todo += [(d, d2, m2) for d2, m2 in hosts[d].on_message(s, m, 1.0)]
+
+    w = hosts["w"]
+    w.dead("y", 0.5)
+    seq, out = w.publish(pb.ChangeBatch(), 10, 1.0)
+    run(out, "w")
+    assert w.complete(seq) and got["a"] == [1] and got["y"] == []
+    live["w"] = ["a", "y"]
+    run(w.alive("y", 2.0), "w")
+    assert got["y"] == [1] and w.in_flight() == 0 and w.counters.repairs == 1
+    assert w.alive("y", 3.0) == []  # once

@@ -85,9 +85,9 @@ def test_replica_partners_notice_a_death_first_and_within_the_bound() -> None:
     assert net.loop.run_until_true(lambda: all(victim in x.marked_dead for x in live),
                                    30.0, 0.05) is not None
     cfg = swim.SwimConfig()
-    # A partner probes every partner_period: suspected within one, dead one suspicion
-    # timeout later (plus the ticks that drive the timers).
-    bound = cfg.partner_period * 2 + cfg.suspicion_timeout(n) + 2 * swim.TICK
+    # A partner probes every partner_period and suspects a period after a probe that got
+    # no answer; dead one suspicion timeout later (plus the ticks that drive the timers).
+    bound = cfg.partner_period + cfg.period + cfg.suspicion_timeout(n) + 2 * swim.TICK
     first = min(x.marked_dead[victim] for x in live) - t_kill
     for p in partners:
         assert net.hosts[p].marked_dead[victim] - t_kill <= bound

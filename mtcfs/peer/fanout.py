@@ -34,13 +34,15 @@ pulling one snapshot when it is back (mtcfs.peer.tier).
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 FANOUT = 8
 RETRY = 0.25  # seconds before a child that has not acked gets the batch again
 REMEMBER = 4096  # recent batch ids kept: a late duplicate is acked, not re-applied
+ROUTED = 4096  # recent batches this host routed: resent to a host back from the dead
+REPAIR_WINDOW = 30.0  # dead longer (here): it was told, and pulls a snapshot instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,7 @@ class _Subtree:
     payload: object
     size: int
     children: dict[str, _Child] = field(default_factory=dict)
+    repair: bool = False  # a resend to a host this one thought dead: no commit waits
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Counters:
     retries: int = 0
     regrafts: int = 0  # a dead child's range re-split
     duplicates: int = 0
+    repairs: int = 0  # batches resent to a host back from the dead
     applied: int = 0
 
 
@@ -134,6 +138,11 @@ class Fanout:
         self._flight: dict[tuple[str, int], dict[str, _Subtree]] = {}
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._done: OrderedDict[tuple[str, int, str], None] = OrderedDict()
+        # What this host routed (time, origin, seq, its range's end, payload, size), and
+        # since when it has held each host dead: a host it left out of a tree while it
+        # thought it dead gets those batches when it is back (a false death, a flap).
+        self._routed: deque[tuple[float, str, int, str, object, int]] = deque(maxlen=ROUTED)
+        self._dead_since: dict[str, float] = {}
         self.completed = 0  # this host's batches every live host has applied, in order
         self._complete: set[int] = set()  # completed out of order, above `completed`
 
@@ -196,7 +205,8 @@ class Fanout:
         if not ranges:
             del self._flight[(origin, seq)]
         if not t.parent:
-            self._completed(seq)
+            if not t.repair:
+                self._completed(seq)
             return []
         self._remember(self._done, key)
         return [self._ack(t.parent, origin, seq, end)]
@@ -231,6 +241,8 @@ class Fanout:
         out: Out = []
         if not hosts:
             return out
+        if not t.repair:
+            self._routed.append((now, key[0], key[1], t.end, t.payload, t.size))
         n = len(hosts)
         runs = min(self.fanout, n)
         starts = [n * i // runs for i in range(runs)]
@@ -264,8 +276,30 @@ class Fanout:
         return [((origin, seq, end), t) for (origin, seq), ranges in self._flight.items()
                 for end, t in ranges.items()]
 
+    def alive(self, node: str, now: float) -> Out:
+        """Membership sees `node` alive again: resend it what this host routed without
+        it while it was dead here (each as a range of that host alone)."""
+        since = self._dead_since.pop(node, None)
+        if since is None or now - since > REPAIR_WINDOW:
+            return []
+        out: Out = []
+        alone = node + "\0"  # the range [node, node\0) holds node only
+        for t, origin, seq, end, payload, size in self._routed:
+            if t < since or not in_range(node, self.me, end):
+                continue
+            ranges = self._flight.setdefault((origin, seq), {})
+            rkey = "repair:" + node
+            if rkey in ranges:
+                continue
+            sub = ranges[rkey] = _Subtree("", rkey, payload, size, repair=True)
+            sub.children[node] = _Child(alone, now)
+            self.counters.repairs += 1
+            out.append(self._forward(node, (origin, seq, rkey), sub, alone))
+        return out
+
     def dead(self, node: str, now: float) -> Out:
         """Membership declared `node` dead: its ranges go to its range's live hosts."""
+        self._dead_since[node] = now
         out: Out = []
         for key, t in self._subtrees():
             c = t.children.pop(node, None)

@@ -212,7 +212,7 @@ class Swim:
             self._next_partner_probe = now + cfg.partner_period
             target = self._next_partner()
             if target and not any(p.target == target for p in self._probes.values()):
-                out.append(self._ping(target, now, cfg.partner_period))
+                out.append(self._ping(target, now, cfg.period))
         if now >= self._next_dead_probe:
             self._next_dead_probe = now + cfg.dead_probe_interval
             if self._dead:

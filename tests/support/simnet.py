@@ -175,6 +175,7 @@ class SimHost:
     def member_alive(self, node: str) -> None:
         self.marked_alive[node] = self.net.loop.now
         self.marked_dead.pop(node, None)
+        self._out += self.tree.alive(node, self.net.loop.now)
 
     def member_dead(self, node: str) -> None:
         self.marked_dead[node] = self.net.loop.now
