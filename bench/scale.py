@@ -47,10 +47,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from support import simnet  # noqa: E402
+from common import Context, Row  # noqa: E402  (bench/common.py)
 
 from mtcfs.peer import placement  # noqa: E402
 from mtcfs.peer.v1 import peer_pb2 as pb  # noqa: E402
+
+from support import simnet  # noqa: E402
 
 FILES_PER_HOST = 8  # a step's files per host (shards, metadata)
 KILLED = 10
@@ -346,10 +348,31 @@ def parse_hosts(text: str) -> list[int]:
     try:
         hosts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--hosts: not a comma list of numbers: {text}")
+        raise argparse.ArgumentTypeError(f"--hosts: not a comma list of numbers: {text}") from None
     if not hosts or any(h < 2 * KILLED + 2 for h in hosts):
         raise argparse.ArgumentTypeError(f"--hosts: each at least {2 * KILLED + 2}")
     return hosts
+
+
+# Targets at 1,000 hosts (issue 14); a figure's Row carries its target at every N.
+TARGETS = {"converge_p99_s": 2.0, "commit_s": 1.0, "detect_s": 10.0, "join_s": 5.0,
+           "cpu_pct_per_host": 2.0}
+UNITS = {"converge_p99_s": "s", "commit_s": "s", "detect_s": "s", "join_s": "s",
+         "cpu_pct_per_host": "%", "bytes_per_host_s": "B/s"}
+
+
+def group(ctx: Context) -> list[Row]:
+    """bench/run.py's "scale" group: one simulation per --hosts value; the figures as
+    Rows (no reference: the targets are absolute) and, as the last line, JSON."""
+    rows: list[Row] = []
+    for n in ctx.hosts:
+        r = run_one(n, seed=1, loss=0.001, real=16, steps=2, entries=80_000, steady=10.0)
+        ctx.last_line.append(r)
+        for key, unit in UNITS.items():
+            rows.append(Row("scale", f"{n} hosts: {key}", unit, [float(r[key])],
+                            higher_is_better=False, max_value=TARGETS.get(key),
+                            note="simulated (bench/scale.py)"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
