@@ -25,10 +25,19 @@ when every live host has applied it: that is the commit rule
 from membership) has its range re-split by the parent among the range's
 live hosts, so its subtree is not lost.
 
-Memory is bounded: a host keeps state only for batches in flight and a
-bounded memory of recent batch ids (duplicates are re-acked, not
-re-applied). Nothing is queued for a host that is away: it catches up by
-pulling one snapshot when it is back (mtcfs.peer.tier).
+A host that some router left out because it thought it dead (a false
+death, a flap, views not yet converged) gets what that router routed
+without it once the router sees it alive again (`alive`): each router
+keeps a bounded log of what it routed (ROUTED batches, REPAIR_WINDOW
+seconds). So a commit's "every live host" is every host live in the
+routers' views; a host those views missed receives the batch moments
+later (the window is the membership's convergence time).
+
+Memory is bounded: a host keeps state only for batches in flight, a bounded
+memory of recent batch ids (duplicates are re-acked, not re-applied) and
+the bounded routing log. Nothing is queued for a host that is away: one
+away longer than the window learns it was declared dead and reconciles with
+one live host's snapshot (mtcfs.peer.swim's `declared_dead`).
 """
 
 from __future__ import annotations
