@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/run.py [--reps N] [--size SIZE] [--only NAME[,NAME]] [--json]
                                   [--steps N] [--step-interval SECONDS]   (lifecycle group)
+                                  [--hosts N[,N]]                          (scale group)
 
 Each figure is printed beside its reference measured in the same run, with
 the ratio and its target (docs/benchmarks.md); the results are also
 written to bench/results/latest.json. Needs root (FUSE mounts, drop_caches).
+The scale group (bench/scale.py, simulated hosts: no FUSE) also prints its
+figures as the last line: one JSON list, one object per --hosts value.
 
 To add a benchmark group: write `def group(ctx: Context) -> list[Row]` in a
 module of bench/ and register it in GROUPS below.

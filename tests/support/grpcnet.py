@@ -119,7 +119,7 @@ class GrpcNet:
         self._calls: set[grpc.Future] = set()
 
     def serve(self, node: str) -> None:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_PeerServicer_to_server(_Servicer(self, node), server)
         server.add_insecure_port(f"127.0.0.1:{self.ports[node]}")
         server.start()
