@@ -106,6 +106,9 @@ def test_a_host_away_for_long_catches_up_with_one_snapshot() -> None:
     assert all(h.tree.in_flight() == 0 for h in net.hosts.values() if h.node != away)
     assert all(len(h.tree._seen) <= fanout.REMEMBER for h in net.hosts.values())
     assert all(net.hosts[h].swim.state_of(away) == 2 for h in net.hosts if h != away)
+    # Away longer than the routers' repair window: nothing is resent to it, it
+    # reconciles with one host's snapshot.
+    net.loop.run_until(net.loop.now + fanout.REPAIR_WINDOW)
     net.heal()
     back = net.hosts[away]
     t = net.loop.run_until_true(
@@ -113,6 +116,7 @@ def test_a_host_away_for_long_catches_up_with_one_snapshot() -> None:
     assert t is not None
     assert back.revivals >= 1
     assert back.snapshot_entries <= 2 * len(net.hosts["h0000"].store.digest())
+    assert sum(h.tree.counters.repairs for h in net.hosts.values()) == 0
 
 
 @given(ids=st.sets(st.integers(0, 50), min_size=1, max_size=30), start=st.integers(0, 50),

@@ -65,10 +65,14 @@ def test_a_partitioned_minority_is_declared_dead_and_rejoins_when_healed() -> No
         lambda: all(net.hosts[x].swim.state_of(m) == swim.DEAD for x in minority
                     for m in majority), 30.0, 0.1)
     assert t is not None, "the minority did not declare the majority dead"
+    deaths = {m: net.hosts[m].swim.counters.deaths for m in majority}
     net.heal()
     t = net.loop.run_until_true(lambda: everyone_sees_everyone(net), 30.0, 0.1)
     assert t is not None, "the minority did not rejoin"
     assert all(net.hosts[x].revivals >= 1 for x in minority)
+    # The minority's stale view (the majority dead) did not spread: no majority host
+    # saw another majority host die on the heal.
+    assert {m: net.hosts[m].swim.counters.deaths for m in majority} == deaths
 
 
 def test_replica_partners_notice_a_death_first_and_within_the_bound() -> None:

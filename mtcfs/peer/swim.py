@@ -162,6 +162,8 @@ class Swim:
         self._probes: dict[int, _Probe] = {}
         self._relays: dict[int, _Relay] = {}
         self._news: dict[str, list] = {}  # node -> [update, times sent]
+        self._resync = False  # declared dead: take the next live host's member list
+        self._resync_asked = -1e9
         self._partner_turn = 0
         self._next_probe = now + rng.random() * self.config.period
         self._next_partner_probe = now + rng.random() * self.config.partner_period
@@ -276,10 +278,47 @@ class Swim:
     # -- messages --------------------------------------------------------------------
 
     def on_message(self, src: str, msg: Message, now: float) -> Out:
+        # A sender we hold dead was cut off (or is a previous life): its view of others
+        # is stale, and its suspicions and deaths would make live hosts flap.
+        trusted = self.state_of(src) != DEAD
         # The sender is alive at its incarnation (this is how a joining host is learnt).
         self._learn(Update(src, ALIVE, msg.incarnation), now)
+        if msg.kind == SYNC_REPLY and self._resync:
+            self._adopt(msg.updates, now)
+            return []
         for u in msg.updates:
-            self._learn(u, now)
+            if trusted or u.state == ALIVE or u.node == self.me:
+                self._learn(u, now)
+        out = self._answer(src, msg, now)
+        if self._resync and now >= self._resync_asked + self.config.period:
+            # Back from the dead: take the member list of the first host that speaks.
+            self._resync_asked = now
+            out.append(self._send(src, Message(SYNC)))
+        return out
+
+    def _adopt(self, updates: tuple[Update, ...], now: float) -> None:
+        """A host back from the dead takes a live host's view as it is (its own was
+        formed while it was cut off: everyone else dead)."""
+        self._resync = False
+        for u in updates:
+            if u.node == self.me:
+                self._learn(u, now)
+                continue
+            m = self.members.get(u.node)
+            if m is None:
+                self._learn(u, now)
+                continue
+            was = m.state
+            m.state, m.incarnation = u.state, u.incarnation
+            self._index(u.node, was, u.state)
+            if u.state == SUSPECT:
+                m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
+            if was == DEAD and u.state != DEAD:
+                self.listener.member_alive(u.node)
+            elif u.state == DEAD and was != DEAD:
+                self.listener.member_dead(u.node)
+
+    def _answer(self, src: str, msg: Message, now: float) -> Out:
         kind = msg.kind
         if kind == PING:
             return [self._send(src, Message(ACK, seq=msg.seq, target=self.me))]
@@ -312,7 +351,13 @@ class Swim:
                 self.incarnation = u.incarnation + 1
                 self.counters.refutations += 1
                 self._spread(Update(self.me, ALIVE, self.incarnation))
-                if u.state == DEAD:
+                if u.state == DEAD and not self._resync:
+                    # Cut off: the deaths it saw meanwhile are not news for others,
+                    # and its view is resynced from the first live host it hears.
+                    for node in [n for n, (v, _) in self._news.items() if v.state != ALIVE]:
+                        del self._news[node]
+                    self._resync = True
+                    self._resync_asked = -1e9
                     self.listener.declared_dead()
             return
         m = self.members.get(u.node)

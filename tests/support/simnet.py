@@ -188,13 +188,16 @@ class SimHost:
         self.net.loop.after(0.01, self._reconcile)
 
     def _reconcile(self) -> None:
+        if not self.up:
+            return
         same_kind = [n for n in self.swim.live() if n in self.net.hosts
-                     and type(self.net.hosts[n].store) is type(self.store)]
-        if not same_kind or not self.up:
+                     and type(self.net.hosts[n].store) is type(self.store)
+                     and self.net.hosts[n].up]
+        if not same_kind:
+            # Cut off alone, it holds every other host dead: once one is back, pull.
+            self.net.loop.after(0.5, self._reconcile)
             return
         source = self.net.hosts[self.net.rng.choice(same_kind)]
-        if not source.up:
-            return
         t0 = time.thread_time()
         snap = source.store.snapshot()
         self.store.apply("", 0, pb.ChangeBatch(entries=snap))
