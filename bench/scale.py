@@ -314,7 +314,8 @@ def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: i
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def check_grpc(n: int, *, seed: int, steps: int, steady: float) -> dict[str, Any]:
+def check_grpc(n: int, *, seed: int, steps: int, steady: float,
+               shared: bool = False) -> dict[str, Any]:
     """The same scenario on n hosts twice: simulated, and over gRPC on loopback in real
     time (every host with the real index, no injected loss, n // 8 killed)."""
     from support import grpcnet
@@ -326,7 +327,7 @@ def check_grpc(n: int, *, seed: int, steps: int, steady: float) -> dict[str, Any
         net = None
         if kind == "grpc":
             net = grpcnet.cluster({node: free_port() for node in simnet.node_ids(n)}, root,
-                                  seed=seed)
+                                  seed=seed, shared=shared)
         s = Scenario(n, seed, 0.0, n, root, kills=kills, net=net)
         try:
             r = measure(s, steps, steady)
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steady", type=float, default=10.0, help="steady window, s [10]")
     p.add_argument("--check-grpc", type=int, metavar="N", default=0,
                    help="instead: the scenario on N hosts simulated and over gRPC on loopback")
+    p.add_argument("--shared-server", action="store_true",
+                   help="--check-grpc: one gRPC server for all the hosts' ports")
     p.add_argument("--alltoall", action="store_true",
                    help="instead: today's all-to-all design (a model, bench/alltoall.py)")
     args = p.parse_args(argv)
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.check_grpc:
         print(json.dumps(check_grpc(args.check_grpc, seed=args.seed, steps=args.steps,
-                                    steady=args.steady)))
+                                    steady=args.steady, shared=args.shared_server)))
         return 0
     results = []
     for n in args.hosts:

@@ -88,27 +88,43 @@ class RealLoop:
 
 
 class _Servicer(pb_grpc.PeerServicer):
+    """One host's service; node "": the shared server's, which reads the host a call
+    is for from its metadata."""
+
     def __init__(self, net: GrpcNet, node: str) -> None:
         self.net, self.node = net, node
+
+    def _to(self, context: Any) -> str:
+        if self.node:
+            return self.node
+        return dict(context.invocation_metadata()).get(TO, "")
 
     def Gossip(self, request: pb.GossipMessage, context: Any) -> pb.OneWay:
         src, msg = wire.gossip_from_pb(request)
         with self.net.loop.lock:
-            self.net.deliver(src, self.node, msg, request.ByteSize())
+            self.net.deliver(src, self._to(context), msg, request.ByteSize())
         return pb.OneWay()
 
     def Forward(self, request: pb.TreeMessage, context: Any) -> pb.OneWay:
         src, msg = wire.tree_from_pb(request)
         with self.net.loop.lock:
-            self.net.deliver(src, self.node, msg, request.ByteSize())
+            self.net.deliver(src, self._to(context), msg, request.ByteSize())
         return pb.OneWay()
+
+
+TO = "mtcfs-to"  # the shared server: which host a call is for
 
 
 class GrpcNet:
     """simnet.Net's interface over gRPC: each host a server on a loopback port."""
 
-    def __init__(self, loop: RealLoop, rng: random.Random, ports: dict[str, int]) -> None:
+    def __init__(self, loop: RealLoop, rng: random.Random, ports: dict[str, int],
+                 shared: bool = False) -> None:
+        """shared: one gRPC server (one poller, 4 threads) listens on every host's port
+        and hands each call to the host named in its metadata: in one Python process,
+        a server per host costs more CPU than the hosts' code (see docs/peers.md)."""
         self.loop = loop
+        self.shared = shared
         self.rng = rng
         self.ports = ports
         self.hosts: dict[str, simnet.SimHost] = {}
@@ -119,11 +135,25 @@ class GrpcNet:
         self._calls: set[grpc.Future] = set()
 
     def serve(self, node: str) -> None:
+        if self.shared:
+            return  # every port is the shared server's (serve_all), a killed host's too
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_PeerServicer_to_server(_Servicer(self, node), server)
         server.add_insecure_port(f"127.0.0.1:{self.ports[node]}")
         server.start()
         self._servers[node] = server
+
+    def serve_all(self) -> None:
+        if not self.shared:
+            for node in self.ports:
+                self.serve(node)
+            return
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_PeerServicer_to_server(_Servicer(self, ""), server)
+        for port in self.ports.values():
+            server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        self._servers[""] = server
 
     def _stub(self, dst: str) -> pb_grpc.PeerStub:
         stub = self._stubs.get(dst)
@@ -139,10 +169,12 @@ class GrpcNet:
         stub = self._stub(dst)
         # One way: the result (an empty reply, or an error) is not awaited, but the
         # future is kept until done (gRPC cancels a call whose future is collected).
+        to = ((TO, dst),)
         if isinstance(msg, swim.Message):
-            f = stub.Gossip.future(wire.gossip_to_pb(src, msg), timeout=2.0)
+            f = stub.Gossip.future(wire.gossip_to_pb(src, msg), timeout=2.0, metadata=to)
         else:
-            f = stub.Forward.future(wire.tree_to_pb(src, msg), timeout=2.0)  # type: ignore[arg-type]
+            f = stub.Forward.future(wire.tree_to_pb(src, msg), timeout=2.0,  # type: ignore[arg-type]
+                                    metadata=to)
         self._calls.add(f)
         f.add_done_callback(self._calls.discard)
 
@@ -157,7 +189,8 @@ class GrpcNet:
     def kill(self, node: str) -> None:
         with self.loop.lock:
             self.hosts[node].up = False
-        self._servers.pop(node).stop(0)
+        if not self.shared:  # shared: its port stays open, what comes in is dropped
+            self._servers.pop(node).stop(0)
 
     def close(self) -> None:
         self.loop.stop()
@@ -167,16 +200,16 @@ class GrpcNet:
             ch.close()
 
 
-def cluster(ports: dict[str, int], root: str, *, seed: int = 0) -> GrpcNet:
+def cluster(ports: dict[str, int], root: str, *, seed: int = 0,
+            shared: bool = False) -> GrpcNet:
     """len(ports) hosts with the real index, all alive, each knowing every other."""
     import os
 
     from mtcfs.peer import placement
 
-    net = GrpcNet(RealLoop(), random.Random(seed), ports)
+    net = GrpcNet(RealLoop(), random.Random(seed), ports, shared)
     ids = sorted(ports)
-    for node in ids:
-        net.serve(node)
+    net.serve_all()
     ring = placement.ring([(i, "") for i in ids])
     with net.loop.lock:
         for node in ids:
