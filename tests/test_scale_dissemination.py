@@ -156,3 +156,19 @@ def test_a_host_left_out_while_thought_dead_gets_the_batch_when_back() -> None:
     run(w.alive("y", 2.0), "w")
     assert got["y"] == [1] and w.in_flight() == 0 and w.counters.repairs == 1
     assert w.alive("y", 3.0) == []  # once
+
+
+def test_the_cores_messages_survive_their_protobuf_encoding() -> None:
+    from mtcfs.peer import swim, wire
+
+    m = swim.Message(swim.PING_REQ, 7, 3, "h2", (swim.Update("h9", swim.DEAD, 4),))
+    raw = wire.gossip_to_pb("h1", m).SerializeToString()
+    assert wire.gossip_from_pb(pb.GossipMessage.FromString(raw)) == ("h1", m)
+    b = batch("h1", simnet.entry("g", "root", "g", 5, "h1"))
+    f = fanout.Forward("h1", 3, "h5", b, b.ByteSize())
+    raw = wire.tree_to_pb("h2", f).SerializeToString()
+    assert wire.tree_size("h2", f) == len(raw)
+    assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", f)
+    a = fanout.Ack("h1", 3, "h2", "h5")
+    raw = wire.tree_to_pb("h2", a).SerializeToString()
+    assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", a)
