@@ -478,6 +478,9 @@ class Context:
     ram_size: str = "8GiB"
     steps: int = 20  # the lifecycle group: checkpoint steps per training run
     step_interval: float = 0.0  # the lifecycle group: seconds between steps (0: measured)
+    hosts: list[int] = field(default_factory=lambda: [100, 300, 1000])  # the scale group
+    # JSON a group wants printed as the run's last line (the scale group's figures)
+    last_line: list[object] = field(default_factory=list)
     _shared: Mount | None = field(default=None, repr=False)
 
     def mtcfs(self) -> Mount:

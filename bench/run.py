@@ -2,10 +2,13 @@
 
     .venv/bin/python bench/run.py [--reps N] [--size SIZE] [--only NAME[,NAME]] [--json]
                                   [--steps N] [--step-interval SECONDS]   (lifecycle group)
+                                  [--hosts N[,N]]                          (scale group)
 
 Each figure is printed beside its reference measured in the same run, with
 the ratio and its target (docs/benchmarks.md); the results are also
 written to bench/results/latest.json. Needs root (FUSE mounts, drop_caches).
+The scale group (bench/scale.py, simulated hosts: no FUSE) also prints its
+figures as the last line: one JSON list, one object per --hosts value.
 
 To add a benchmark group: write `def group(ctx: Context) -> list[Row]` in a
 module of bench/ and register it in GROUPS below.
@@ -34,6 +37,7 @@ import netns_restore
 import peers
 import ramtier
 import restore_fanout
+import scale
 from common import (
     BENCH_DIR,
     BenchError,
@@ -122,6 +126,12 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "CheckpointConfiguration controller against an in-memory API server: reconcile time "
         "of a CPC change",
     ),
+    "scale": (
+        scale.group,
+        "membership and index dissemination on --hosts simulated hosts (the real SWIM and "
+        "tree code, virtual time): convergence, commit, detection, join, CPU and bytes per "
+        "host; the last line printed is the figures as JSON",
+    ),
 }
 
 RESULTS = BENCH_DIR / "results" / "latest.json"
@@ -144,6 +154,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         metavar="SECONDS",
         help="lifecycle: seconds between steps [0: from the measured GCS upload speed]",
+    )
+    p.add_argument(
+        "--hosts",
+        type=scale.parse_hosts,
+        default=scale.parse_hosts("100,300,1000"),
+        metavar="N[,N]",
+        help="scale: simulated hosts, a comma list [100,300,1000]",
     )
     p.add_argument("--only", metavar="NAME[,NAME]", help="run only these groups")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     err.print(facts_table(facts))
     started = time.monotonic()
     rows: list[Row] = []
+    last_line: list[object] = []
     code = 0
     scratch = Scratch()
     try:
@@ -201,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             ram_size=f"{max(8, 3 * args.size // GiB)}GiB",
             steps=args.steps,
             step_interval=args.step_interval,
+            hosts=args.hosts,
         )
         try:
             for name in args.groups:
                 with section(f"{name}: {GROUPS[name][1]}"):
                     rows += GROUPS[name][0](ctx)
+            last_line = ctx.last_line
         finally:
             ctx.close()
     except KeyboardInterrupt:
@@ -245,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         err.print(f"results: {RESULTS}")
+    if last_line:
+        # The scale group's figures: one JSON list, one object per --hosts value.
+        print(json.dumps(last_line))
     return code
 
 

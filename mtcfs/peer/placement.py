@@ -14,7 +14,7 @@ choice needs no coordination. A dead or full peer is skipped for the next.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import zip_longest
 from typing import Protocol, TypeVar
 
@@ -49,3 +49,30 @@ def rank(writer: str, domain: str, peers: Sequence[C]) -> list[C]:
     after = [known[n] for n in order[i + 1:] + order[:i]]
     # Other failure domains first; the ring order within each group.
     return sorted(after, key=lambda p: bool(domain) and p.domain == domain)
+
+
+def partners(order: Sequence[str], me: str, k: int, is_live: Callable[[str], bool],
+             at: int | None = None) -> list[str]:
+    """On a ring (`ring()`), the hosts `me` replicates to (its k live successors) and
+    those that replicate to it (its k live predecessors): the hosts membership probes
+    most often, as they are the first to need to know of a death. `at`: me's index
+    in `order`, if known."""
+    if at is None:
+        if me not in order:
+            return []
+        at = order.index(me)
+    if k < 1:
+        return []
+    i, n = at, len(order)
+    out: list[str] = []
+    for step in (1, -1):
+        found, j = 0, i
+        for _ in range(n - 1):
+            j = (j + step) % n
+            if is_live(order[j]):
+                if order[j] not in out:
+                    out.append(order[j])
+                found += 1
+                if found == k:
+                    break
+    return out

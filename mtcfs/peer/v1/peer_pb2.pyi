@@ -197,3 +197,51 @@ class ListHeldReply(_message.Message):
     node_id: str
     files: _containers.RepeatedCompositeFieldContainer[HeldFile]
     def __init__(self, node_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[HeldFile, _Mapping]]] = ...) -> None: ...
+
+class MemberUpdate(_message.Message):
+    __slots__ = ("node", "state", "incarnation")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    state: int
+    incarnation: int
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class GossipMessage(_message.Message):
+    __slots__ = ("from_node", "kind", "seq", "incarnation", "target", "updates")
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    from_node: str
+    kind: int
+    seq: int
+    incarnation: int
+    target: str
+    updates: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
+    def __init__(self, from_node: _Optional[str] = ..., kind: _Optional[int] = ..., seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., target: _Optional[str] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ...) -> None: ...
+
+class TreeMessage(_message.Message):
+    __slots__ = ("from_node", "origin", "seq", "end", "ack", "start", "batch")
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    from_node: str
+    origin: str
+    seq: int
+    end: str
+    ack: bool
+    start: str
+    batch: ChangeBatch
+    def __init__(self, from_node: _Optional[str] = ..., origin: _Optional[str] = ..., seq: _Optional[int] = ..., end: _Optional[str] = ..., ack: _Optional[bool] = ..., start: _Optional[str] = ..., batch: _Optional[_Union[ChangeBatch, _Mapping]] = ...) -> None: ...
+
+class OneWay(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -64,6 +64,16 @@ class PeerStub:
                 request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.ListHeldRequest.SerializeToString,
                 response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.ListHeldReply.FromString,
                 _registered_method=True)
+        self.Gossip = channel.unary_unary(
+                '/mtcfs.peer.v1.Peer/Gossip',
+                request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.GossipMessage.SerializeToString,
+                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.FromString,
+                _registered_method=True)
+        self.Forward = channel.unary_unary(
+                '/mtcfs.peer.v1.Peer/Forward',
+                request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.SerializeToString,
+                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -111,6 +121,22 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gossip(self, request, context):
+        """SWIM membership (mtcfs.peer.swim): a ping, ack, indirect ping request, gossip or
+        member-list sync, sent one way (the answer, if any, is a Gossip call back).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Forward(self, request, context):
+        """A batch of index changes down a dissemination tree, or an ack up it
+        (mtcfs.peer.fanout), sent one way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +169,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ListHeld,
                     request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.ListHeldRequest.FromString,
                     response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.ListHeldReply.SerializeToString,
+            ),
+            'Gossip': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gossip,
+                    request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.GossipMessage.FromString,
+                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.SerializeToString,
+            ),
+            'Forward': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.FromString,
+                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +343,60 @@ class Peer:
             '/mtcfs.peer.v1.Peer/ListHeld',
             mtcfs_dot_peer_dot_v1_dot_peer__pb2.ListHeldRequest.SerializeToString,
             mtcfs_dot_peer_dot_v1_dot_peer__pb2.ListHeldReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gossip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.Peer/Gossip',
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.GossipMessage.SerializeToString,
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.Peer/Forward',
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.SerializeToString,
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,424 @@
+"""Thousands of hosts: membership and index dissemination, simulated with the real code.
+
+    .venv/bin/python bench/run.py --only scale --hosts 100,300,1000
+    .venv/bin/python bench/scale.py --hosts 100,300,1000 [--real 16]   (no root needed)
+
+Per N: N SimHosts (tests/support/simnet.py) running mtcfs.peer.swim and
+mtcfs.peer.fanout in virtual time over an in-process network (latency
+0.2-2 ms, --loss of the messages dropped), 16 of them with the real
+replicated index, the rest with a compact one (stamps only). Phases:
+
+1. warm-up, then a steady window with no save: CPU (thread CPU time of each
+   host's handlers per simulated second: cores, protobuf sizing, its store)
+   and bytes sent + received per host per second;
+2. --steps saves: the committer makes the step's tmp directory; every host
+   writes 8 files in it and fsyncs (its batch goes down its tree; the fsync
+   returns when every live host applied it); once all have, the committer
+   renames the directory (the commit: it returns when every live host has
+   the rename). converge: from the commit call until a host has the whole step
+   (p99 over hosts and steps); commit: the rename's call to its return;
+3. 10 hosts killed at once: detect = for each live host, the time until it
+   marks all 10 dead (p99); partner_detect: the slowest replica partner of a
+   killed host; then a save with the 10 dead (commit_with_dead_s);
+4. a replacement for one of them (same node id) joins through one live host:
+   SYNC, refutation of its death, gossip until every live host marks it alive
+   (virtual time); and its index: one snapshot of --entries entries pulled from
+   one host, as protobuf pieces of 500, applied to a real index (measured in
+   wall time, outside the virtual clock). join_s = the later of the two.
+
+The last line printed is a JSON list, one object per N (a single N: a list of one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from common import Context, Row  # noqa: E402  (bench/common.py)
+
+from mtcfs.peer import placement  # noqa: E402
+from mtcfs.peer.v1 import peer_pb2 as pb  # noqa: E402
+
+from support import simnet  # noqa: E402
+
+FILES_PER_HOST = 8  # a step's files per host (shards, metadata)
+KILLED = 10
+
+
+def p99(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+
+
+class Scenario:
+    def __init__(self, n: int, seed: int, loss: float, real: int, root: str,
+                 kills: int = KILLED, net: Any = None) -> None:
+        """net: hosts already made (support.grpcnet), else simulated ones."""
+        self.n = n
+        self.kills = kills
+        self.rng = random.Random(seed)
+        ids = simnet.node_ids(n)
+        self.committer = ids[0]
+        self.real = [ids[0], *self.rng.sample(ids[1:], min(real, n) - 1)]
+        if net is None:
+            net = simnet.cluster(n, seed=seed, loss=loss, real_index=self.real, root=root)
+        self.net = net
+        self.loop = net.loop
+        # The hosts' code runs under this lock over gRPC (their threads); here, unneeded.
+        self.guard = getattr(self.loop, "lock", None) or contextlib.nullcontext()
+        self.lamport = 0
+        self.step_of: dict[tuple[str, int], int] = {}
+        self.step_need: dict[int, int] = {}
+        self.step_have: dict[tuple[str, int], int] = {}
+        self.step_done: dict[tuple[str, int], float] = {}
+        for h in self.net.hosts.values():
+            h.on_batch = self._on_batch
+
+    def live(self) -> list[simnet.SimHost]:
+        return [h for h in self.net.hosts.values() if h.up]
+
+    def _on_batch(self, host: simnet.SimHost, origin: str, seq: int) -> None:
+        step = self.step_of.get((origin, seq))
+        if step is None:
+            return
+        key = (host.node, step)
+        self.step_have[key] = self.step_have.get(key, 0) + 1
+        if self.step_have[key] == self.step_need[step]:
+            self.step_done[key] = self.loop.now
+
+    def _publish(self, host: simnet.SimHost, step: int, entries: list[pb.Entry]) -> int:
+        # The batch's (origin, seq) is known before it goes out: the writer applies
+        # it locally first (it counts for the writer too).
+        with self.guard:
+            seq = host.tree.published() + 1
+            self.step_of[(host.node, seq)] = step
+            key = (host.node, step)
+            self.step_have[key] = self.step_have.get(key, 0) + 1
+            if self.step_have[key] == self.step_need[step]:
+                self.step_done[key] = self.loop.now
+            got = host.publish(pb.ChangeBatch(from_node=host.node, entries=entries))
+        assert got == seq
+        return seq
+
+    def _tick(self) -> int:
+        self.lamport += 1
+        return self.lamport
+
+    def save(self, step: int, limit: float = 30.0) -> dict[str, float]:
+        """One checkpoint step as Orbax saves it on every host."""
+        live = self.live()
+        c = self.net.hosts[self.committer]
+        self.step_need[step] = len(live) + 2  # every host's files, the mkdir, the rename
+        dir_id = f"step{step}"
+        t0 = self.loop.now
+        mk = self._publish(c, step, [simnet.entry(dir_id, "root", f"step_{step}.tmp",
+                                                   self._tick(), c.node, is_dir=True)])
+        done = self.loop.run_until_true(lambda: c.tree.complete(mk), limit)
+        assert done is not None, "mkdir did not complete"
+        fsyncs = {}
+        for h in live:
+            es = [simnet.entry(f"s{step}-{h.node}-{k}", dir_id, f"{h.node}-{k}", self._tick(),
+                               h.node, size=1 << 30) for k in range(FILES_PER_HOST)]
+            fsyncs[h.node] = self._publish(h, step, es)
+        done = self.loop.run_until_true(
+            lambda: all(self.net.hosts[n].tree.complete(s) for n, s in fsyncs.items()
+                        if self.net.hosts[n].up), limit)
+        assert done is not None, "fsyncs did not complete"
+        fsync_s = self.loop.now - t0
+        t_commit = self.loop.now
+        rename = self._publish(c, step, [simnet.entry(dir_id, "root", f"step_{step}",
+                                                       self._tick(), c.node, is_dir=True)])
+        done = self.loop.run_until_true(lambda: c.tree.complete(rename), limit, step=0.001)
+        assert done is not None, "commit did not complete"
+        commit_s = done - t_commit
+        everyone = self.loop.run_until_true(
+            lambda: all((h.node, step) in self.step_done for h in self.live()), limit)
+        if everyone is None:
+            missing = {h.node: self.step_have.get((h.node, step), 0) for h in self.live()
+                       if (h.node, step) not in self.step_done}
+            revived = sum(h.revivals for h in self.live())
+            deaths = {h.node: h.swim.counters.deaths for h in self.live() if h.swim.counters.deaths}
+            lacking = {h.node: sorted(b for b, st in self.step_of.items() if st == step
+                                      and b not in h.batches) for h in self.live()
+                       if (h.node, step) not in self.step_done}
+            print(f"{deaths=} {lacking=}", file=sys.stderr)
+            raise AssertionError(f"step {step} did not reach every host ({revived} revivals; of "
+                                 f"{self.step_need[step]} batches, they have {missing})")
+        conv = [self.step_done[(h.node, step)] - t_commit for h in self.live()]
+        return {"commit_s": commit_s, "converge_p99_s": p99(conv), "fsync_s": fsync_s,
+                "converge_from_start_p99_s": p99([c + t_commit - t0 for c in conv])}
+
+    def window(self, seconds: float) -> dict[str, float]:
+        """Steady state: CPU and bytes per host over `seconds` of simulated time."""
+        live = self.live()
+        cpu0 = {h.node: h.cpu for h in live}
+        b0 = {h.node: h.sent.bytes + h.received.bytes for h in live}
+        m0 = {h.node: h.sent.messages for h in live}
+        t0, p0 = self.loop.now, time.process_time()
+        self.loop.run_until(t0 + seconds)
+        span = self.loop.now - t0
+        process = (time.process_time() - p0) / span / len(live) * 100
+        cpu = [(h.cpu - cpu0[h.node]) / span * 100 for h in live]
+        byt = [(h.sent.bytes + h.received.bytes - b0[h.node]) / span for h in live]
+        msgs = [(h.sent.messages - m0[h.node]) / span for h in live]
+        return {"cpu_pct_per_host": p99(cpu), "cpu_pct_per_host_mean": sum(cpu) / len(cpu),
+                "bytes_per_host_s": p99(byt), "bytes_per_host_s_mean": sum(byt) / len(byt),
+                "messages_sent_per_host_s": sum(msgs) / len(msgs),
+                "process_cpu_pct_per_host": process}
+
+    def kill(self) -> tuple[dict[str, float], list[str]]:
+        spare = [n for n in self.net.hosts if n not in self.real]
+        if len(spare) < self.kills:  # every host has the real index (the gRPC check)
+            spare = [n for n in self.net.hosts if n != self.committer]
+        victims = self.rng.sample(spare, self.kills)
+        ring = next(iter(self.net.hosts.values())).ring
+        partners = {v: placement.partners(ring, v, 1, lambda n: True) for v in victims}
+        tk = self.loop.now
+        for v in victims:
+            self.net.kill(v)
+        live = self.live()
+        done = self.loop.run_until_true(
+            lambda: all(all(v in h.marked_dead for v in victims) for h in live), 60, 0.05)
+        assert done is not None, "the dead were not all detected"
+        detect = [max(h.marked_dead[v] for v in victims) - tk for h in live]
+        partner = [self.net.hosts[p].marked_dead[v] - tk for v in victims
+                   for p in partners[v] if self.net.hosts[p].up]
+        false = sum(1 for h in live for d in h.marked_dead if d not in victims)
+        return {"detect_s": p99(detect), "detect_max_s": max(detect),
+                "partner_detect_max_s": max(partner), "false_deaths": false}, victims
+
+    def join_membership(self, node: str) -> float:
+        """A replacement host with a dead host's node id: time until every live host
+        marks it alive (virtual)."""
+        ring = next(iter(self.net.hosts.values())).ring
+        seed = placement.partners(ring, node, 1, lambda n: self.net.hosts[n].up)[0]
+        serve = getattr(self.net, "serve", None)
+        if serve is not None:
+            serve(node)
+        with self.guard:
+            h = simnet.add_host(self.net, node)
+            h.on_batch = self._on_batch
+            t0 = self.loop.now
+            h.join(seed)
+        others = [x for x in self.live() if x is not h]
+        done = self.loop.run_until_true(
+            lambda: all(node in x.marked_alive and x.swim.is_live(node) for x in others), 30)
+        assert done is not None, "the replacement host was not seen alive everywhere"
+        return done - t0
+
+    def real_agree(self) -> bool:
+        """The real indexes and the compact ones hold the same stamps."""
+        with self.guard:
+            digests = [self.net.hosts[n].store.digest() for n in self.real
+                       if self.net.hosts[n].up]
+            others = [h.store for h in self.live() if h.node not in self.real]
+            ref = (others[0] if others else self.net.hosts[self.committer].store).digest()
+            return all(d == ref for d in digests)
+
+    def close(self) -> None:
+        for n in self.real:
+            store = self.net.hosts[n].store
+            if isinstance(store, simnet.IndexStore):
+                store.close()
+
+
+def snapshot_join(entries: int, root: str) -> dict[str, float]:
+    """One snapshot of a real index of `entries` entries, pulled as protobuf pieces of
+    500 and applied to a fresh real index: wall and CPU seconds of each part."""
+    src = simnet.IndexStore("source", os.path.join(root, "snap-source"))
+    hosts = max(1, entries // (10 * FILES_PER_HOST))
+    lam = 0
+    for step in range(10):
+        lam += 1
+        src.index.apply([simnet.entry(f"d{step}", "root", f"step_{step}", lam, "h0000",
+                                      is_dir=True)])
+        for h in range(hosts):
+            lam += 1
+            src.index.apply([simnet.entry(f"f{step}-{h}-{k}", f"d{step}", f"h{h}-{k}", lam,
+                                          f"h{h:04d}", size=1 << 30)
+                             for k in range(FILES_PER_HOST)])
+    t0, c0 = time.perf_counter(), time.process_time()
+    snap = list(src.index.snapshot())
+    pieces = [pb.ChangeBatch(from_node="source", entries=snap[i:i + 500]).SerializeToString()
+              for i in range(0, len(snap), 500)]
+    t1, c1 = time.perf_counter(), time.process_time()
+    dst = simnet.IndexStore("joiner", os.path.join(root, "snap-joiner"))
+    for p in pieces:
+        b = pb.ChangeBatch()
+        b.ParseFromString(p)
+        dst.index.apply(list(b.entries))
+    t2, c2 = time.perf_counter(), time.process_time()
+    ok = dst.digest() == src.digest()
+    src.close()
+    dst.close()
+    assert ok, "the joiner's index differs from its source's"
+    return {"snapshot_entries": len(snap), "snapshot_bytes": sum(map(len, pieces)),
+            "snapshot_serve_s": t1 - t0, "snapshot_apply_s": t2 - t1,
+            # CPU seconds: the wall-clock figures above swing with the machine's load
+            "snapshot_serve_cpu_s": c1 - c0, "snapshot_apply_cpu_s": c2 - c1}
+
+
+def measure(s: Scenario, steps: int, steady: float) -> dict[str, Any]:
+    """The phases common to the simulation and the gRPC check."""
+    s.loop.run_until(s.loop.now + 5.0)  # warm-up: everyone probed a few times
+    out: dict[str, Any] = {"hosts": s.n, "real_index_hosts": len(s.real)}
+    out.update(s.window(steady))
+    saves = [s.save(k) for k in range(1, steps + 1)]
+    out["commit_s"] = max(x["commit_s"] for x in saves)
+    out["converge_p99_s"] = max(x["converge_p99_s"] for x in saves)
+    out["converge_from_start_p99_s"] = max(x["converge_from_start_p99_s"] for x in saves)
+    out["fsync_s"] = max(x["fsync_s"] for x in saves)
+    det, victims = s.kill()
+    out["killed"] = len(victims)
+    out.update(det)
+    with_dead = s.save(steps + 1)
+    out["commit_with_dead_s"] = with_dead["commit_s"]
+    out["index_agree"] = s.real_agree()
+    out["join_membership_s"] = s.join_membership(victims[0])
+    return out
+
+
+def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: int,
+            steady: float) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="mtcfs-scale-", dir="/dev/shm")
+    started = time.process_time()
+    s = Scenario(n, seed, loss, real, root)
+    try:
+        out = measure(s, steps, steady)
+        out["loss"] = loss
+        del out["process_cpu_pct_per_host"]  # the simulator's own, not a host's
+        snap = snapshot_join(entries, root)
+        out.update(snap)
+        out["join_s"] = max(out["join_membership_s"],
+                            snap["snapshot_serve_s"] + snap["snapshot_apply_s"])
+        out["simulated_s"] = round(s.loop.now, 1)
+        out["sim_cpu_s"] = round(time.process_time() - started, 1)
+    finally:
+        s.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def check_grpc(n: int, *, seed: int, steps: int, steady: float,
+               shared: bool = False) -> dict[str, Any]:
+    """The same scenario on n hosts twice: simulated, and over gRPC on loopback in real
+    time (every host with the real index, no injected loss, n // 8 killed)."""
+    from support import grpcnet
+
+    kills = max(1, n // 8)
+    out: dict[str, Any] = {}
+    for kind in ("sim", "grpc"):
+        root = tempfile.mkdtemp(prefix=f"mtcfs-check-{kind}-", dir="/dev/shm")
+        net = None
+        if kind == "grpc":
+            net = grpcnet.cluster({node: free_port() for node in simnet.node_ids(n)}, root,
+                                  seed=seed, shared=shared)
+        s = Scenario(n, seed, 0.0, n, root, kills=kills, net=net)
+        try:
+            r = measure(s, steps, steady)
+        finally:
+            if net is not None:
+                net.close()
+            s.close()
+            shutil.rmtree(root, ignore_errors=True)
+        if kind == "sim":
+            del r["process_cpu_pct_per_host"]
+        out[kind] = {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def parse_hosts(text: str) -> list[int]:
+    try:
+        hosts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hosts: not a comma list of numbers: {text}") from None
+    if not hosts or any(h < 2 * KILLED + 2 for h in hosts):
+        raise argparse.ArgumentTypeError(f"--hosts: each at least {2 * KILLED + 2}")
+    return hosts
+
+
+# Targets at 1,000 hosts (issue 14); a figure's Row carries its target at every N.
+TARGETS = {"converge_p99_s": 2.0, "commit_s": 1.0, "detect_s": 10.0, "join_s": 5.0,
+           "cpu_pct_per_host": 2.0}
+UNITS = {"converge_p99_s": "s", "commit_s": "s", "detect_s": "s", "join_s": "s",
+         "cpu_pct_per_host": "%", "bytes_per_host_s": "B/s"}
+
+
+def group(ctx: Context) -> list[Row]:
+    """bench/run.py's "scale" group: one simulation per --hosts value; the figures as
+    Rows (no reference: the targets are absolute) and, as the last line, JSON."""
+    rows: list[Row] = []
+    for n in ctx.hosts:
+        r = run_one(n, seed=1, loss=0.001, real=16, steps=2, entries=80_000, steady=10.0)
+        ctx.last_line.append(r)
+        for key, unit in UNITS.items():
+            rows.append(Row("scale", f"{n} hosts: {key}", unit, [float(r[key])],
+                            higher_is_better=False, max_value=TARGETS.get(key),
+                            note="simulated (bench/scale.py)"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", type=parse_hosts, default=parse_hosts("100,300,1000"))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--loss", type=float, default=0.001, help="messages dropped [0.001]")
+    p.add_argument("--real", type=int, default=16, help="hosts with the real index [16]")
+    p.add_argument("--steps", type=int, default=2, help="saves measured [2]")
+    p.add_argument("--entries", type=int, default=80_000, help="the joiner's index [80000]")
+    p.add_argument("--steady", type=float, default=10.0, help="steady window, s [10]")
+    p.add_argument("--check-grpc", type=int, metavar="N", default=0,
+                   help="instead: the scenario on N hosts simulated and over gRPC on loopback")
+    p.add_argument("--shared-server", action="store_true",
+                   help="--check-grpc: one gRPC server for all the hosts' ports")
+    p.add_argument("--alltoall", action="store_true",
+                   help="instead: today's all-to-all design (a model, bench/alltoall.py)")
+    args = p.parse_args(argv)
+    if args.alltoall:
+        import alltoall
+
+        out = []
+        for n in args.hosts:
+            r = alltoall.run(n, seed=args.seed, loss=args.loss, steady=args.steady,
+                             kills=KILLED)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            out.append(r)
+        print(json.dumps(out))
+        return 0
+    if args.check_grpc:
+        print(json.dumps(check_grpc(args.check_grpc, seed=args.seed, steps=args.steps,
+                                    steady=args.steady, shared=args.shared_server)))
+        return 0
+    results = []
+    for n in args.hosts:
+        r = run_one(n, seed=args.seed, loss=args.loss, real=args.real, steps=args.steps,
+                    entries=args.entries, steady=args.steady)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+        results.append(r)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

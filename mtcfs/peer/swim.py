@@ -1,0 +1,466 @@
+"""Membership by SWIM: failure detection whose cost per host does not grow with the job.
+
+A sans-IO state machine: it never sends, sleeps or reads a clock. The driver
+(the in-process simulation, bench/scale.py, or a gRPC transport) hands it the
+messages that arrive and the time, and sends what it returns:
+
+    on_message(src, msg, now) -> [(dst, msg), ...]
+    tick(now)                 -> [(dst, msg), ...]     (call every TICK seconds)
+
+What it does (Das, Gupta, Motivala, "SWIM", DSN 2002, with the Lifeguard
+refinements of HashiCorp memberlist where noted):
+
+- Every `period` each host pings ONE member, round robin over a shuffled list
+  (each member is probed once per pass). No ack within `ack_timeout`: it asks
+  `indirect` other members to ping the target for it (PING_REQ); no ack by the
+  end of the period: the target is SUSPECT.
+- A suspect that does not refute within `suspicion_timeout` (grows with
+  log10 N, as memberlist's) is DEAD. A host that hears it is suspected or dead
+  refutes by raising its incarnation number: ALIVE at a higher incarnation
+  overrides SUSPECT and DEAD at a lower one.
+- Replica partners (the hosts this one replicates to and the hosts that
+  replicate to it, from `partners`) are also probed every `partner_period`:
+  they notice a partner's death first.
+- Membership changes travel piggybacked on pings and acks, and on GOSSIP
+  messages sent every `gossip_interval` to `gossip_fanout` random members while
+  there is news; each change is sent at most `retransmit_mult * ceil(log2(N+1))`
+  times, so its cost per host is O(log N) and it reaches everyone in O(log N)
+  rounds.
+- A dead member is pinged now and then (`dead_probe_interval`): a host that
+  was cut off (a partition) learns it was declared dead, refutes, and rejoins.
+- A starting host sends SYNC to one live host and gets the whole member list
+  back (push-pull state sync, once).
+
+So per host and per second: about 1/period + 1/partner_period probes, their
+acks, and a bounded amount of gossip, whatever the number of hosts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+ALIVE, SUSPECT, DEAD = 0, 1, 2
+STATE_NAMES = {ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
+
+PING, ACK, PING_REQ, GOSSIP, SYNC, SYNC_REPLY = range(6)
+
+TICK = 0.05  # the driver calls tick() this often: timers fire within one tick
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one host believes about another: the unit of membership gossip."""
+
+    node: str
+    state: int
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: int
+    seq: int = 0
+    incarnation: int = 0  # the sender's own incarnation
+    target: str = ""  # PING_REQ: whom to ping; ACK: who answered
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True)
+class SwimConfig:
+    period: float = 0.5
+    partner_period: float = 0.25
+    ack_timeout: float = 0.15
+    indirect: int = 3  # members asked to ping a target that did not answer
+    suspicion_mult: float = 2.0  # suspicion timeout = mult * max(1, log10 N) * period
+    gossip_interval: float = 0.1
+    gossip_fanout: int = 3
+    retransmit_mult: int = 2
+    max_piggyback: int = 24  # updates per message
+    dead_probe_interval: float = 2.0
+
+    def suspicion_timeout(self, n: int) -> float:
+        return self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.period
+
+    def retransmits(self, n: int) -> int:
+        return self.retransmit_mult * math.ceil(math.log2(n + 1))
+
+
+class SwimListener(Protocol):
+    def member_alive(self, node: str) -> None: ...
+
+    def member_dead(self, node: str) -> None: ...
+
+    def declared_dead(self) -> None:
+        """Others declared this host dead (it was cut off, or too slow): it refuted, and
+        must reconcile its index with a live host's, both ways (trees skipped it, and
+        its own changes meanwhile reached only the hosts it saw)."""
+
+
+@dataclass(slots=True)
+class _Member:
+    state: int
+    incarnation: int
+    suspect_deadline: float = 0.0
+
+
+@dataclass(slots=True)
+class _Probe:
+    target: str
+    sent: float
+    deadline: float  # suspect the target if no ack by then
+    indirect_sent: bool = False
+
+
+@dataclass(slots=True)
+class _Relay:
+    """A ping sent for another member's PING_REQ: its ack goes back to them."""
+
+    requester: str
+    seq: int
+    expires: float
+
+
+@dataclass
+class Counters:
+    messages_sent: int = 0
+    probes: int = 0
+    indirect_probes: int = 0
+    suspicions: int = 0
+    refutations: int = 0
+    deaths: int = 0
+
+
+Out = list[tuple[str, Message]]
+
+
+class Swim:
+    def __init__(self, me: str, members: Iterable[str], listener: SwimListener,
+                 rng: random.Random, config: SwimConfig | None = None,
+                 partners: Callable[[], Iterable[str]] = tuple, now: float = 0.0) -> None:
+        """`members`: the job's other hosts as configured, taken to be alive at the start
+        (a host that is not gets suspected within a period or two). `partners`: this
+        host's replica partners, asked again each time they are probed."""
+        self.me = me
+        self.incarnation = 0
+        self.config = config or SwimConfig()
+        self.listener = listener
+        self.rng = rng
+        self.partners = partners
+        self.members: dict[str, _Member] = {m: _Member(ALIVE, 0) for m in members if m != me}
+        # Kept up to date on every change, so that no timer or batch scans all members:
+        self._live = sorted(self.members)  # alive or suspect, by node id
+        self._dead: set[str] = set()
+        self._suspects: set[str] = set()
+        self.counters = Counters()
+        self._seq = 0
+        self._order: list[str] = []  # this pass of the round robin
+        self._probes: dict[int, _Probe] = {}
+        self._relays: dict[int, _Relay] = {}
+        self._news: dict[str, list] = {}  # node -> [update, times sent]
+        self._resync = False  # declared dead: take the next live host's member list
+        self._resync_asked = -1e9
+        self._partner_turn = 0
+        self._next_probe = now + rng.random() * self.config.period
+        self._next_partner_probe = now + rng.random() * self.config.partner_period
+        self._next_gossip = now
+        self._next_dead_probe = now + self.config.dead_probe_interval
+
+    # -- what the rest of the host asks ----------------------------------------------
+
+    def state_of(self, node: str) -> int:
+        if node == self.me:
+            return ALIVE
+        m = self.members.get(node)
+        return DEAD if m is None else m.state
+
+    def is_live(self, node: str) -> bool:
+        """Alive or suspected: commits still count (and wait for) a suspect."""
+        return self.state_of(node) != DEAD
+
+    def live(self) -> list[str]:
+        """The members alive or suspect, sorted by node id (the list itself: read only)."""
+        return self._live
+
+    def dead(self) -> list[str]:
+        return sorted(self._dead)
+
+    def size(self) -> int:
+        """Members known, this host included (the N of log N)."""
+        return len(self.members) + 1
+
+    # -- joining ---------------------------------------------------------------------
+
+    def join(self, seed: str) -> Out:
+        """A starting host: ask one live host for the member list."""
+        return [self._send(seed, Message(SYNC, incarnation=self.incarnation,
+                                         updates=(Update(self.me, ALIVE, self.incarnation),)))]
+
+    # -- time ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> Out:
+        out: Out = []
+        cfg = self.config
+        if now >= self._next_probe:
+            self._next_probe = now + cfg.period
+            target = self._next_target()
+            if target:
+                out.append(self._ping(target, now, cfg.period))
+        if now >= self._next_partner_probe:
+            self._next_partner_probe = now + cfg.partner_period
+            target = self._next_partner()
+            if target and not any(p.target == target for p in self._probes.values()):
+                out.append(self._ping(target, now, cfg.period))
+        if now >= self._next_dead_probe:
+            self._next_dead_probe = now + cfg.dead_probe_interval
+            if self._dead:
+                # Not a probe (no suspicion follows): a cut-off host learns it is dead.
+                out.append(self._send(self.rng.choice(self.dead()),
+                                      Message(PING, seq=self._next_seq())))
+        for seq, p in list(self._probes.items()):
+            if now >= p.deadline:
+                del self._probes[seq]
+                self._suspect(p.target, now)
+            elif not p.indirect_sent and now >= p.sent + cfg.ack_timeout:
+                p.indirect_sent = True
+                out += self._ping_req(seq, p.target)
+        for seq, r in list(self._relays.items()):
+            if now >= r.expires:
+                del self._relays[seq]
+        for node in [n for n in self._suspects if now >= self.members[n].suspect_deadline]:
+            self._learn(Update(node, DEAD, self.members[node].incarnation), now)
+        if self._news and now >= self._next_gossip:
+            self._next_gossip = now + cfg.gossip_interval
+            live = self._live
+            for dst in self.rng.sample(live, min(cfg.gossip_fanout, len(live))):
+                out.append(self._send(dst, Message(GOSSIP)))
+        return out
+
+    def _next_target(self) -> str:
+        while True:
+            if not self._order:
+                self._order = list(self._live)
+                self.rng.shuffle(self._order)
+                if not self._order:
+                    return ""
+            t = self._order.pop()
+            if self.is_live(t):
+                return t
+
+    def _next_partner(self) -> str:
+        live = [p for p in self.partners() if p != self.me and self.is_live(p)]
+        if not live:
+            return ""
+        self._partner_turn = (self._partner_turn + 1) % len(live)
+        return live[self._partner_turn]
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _ping(self, target: str, now: float, within: float) -> tuple[str, Message]:
+        seq = self._next_seq()
+        self._probes[seq] = _Probe(target, now, now + within)
+        self.counters.probes += 1
+        return self._send(target, Message(PING, seq=seq))
+
+    def _ping_req(self, seq: int, target: str) -> Out:
+        live = self._live
+        k = min(self.config.indirect + 1, len(live))
+        helpers = [n for n in self.rng.sample(live, k) if n != target][:self.config.indirect]
+        self.counters.indirect_probes += len(helpers)
+        return [self._send(h, Message(PING_REQ, seq=seq, target=target)) for h in helpers]
+
+    # -- messages --------------------------------------------------------------------
+
+    def on_message(self, src: str, msg: Message, now: float) -> Out:
+        # A sender we hold dead was cut off (or is a previous life): its view of others
+        # is stale, and its suspicions and deaths would make live hosts flap.
+        trusted = self.state_of(src) != DEAD
+        # The sender is alive at its incarnation (this is how a joining host is learnt).
+        self._learn(Update(src, ALIVE, msg.incarnation), now)
+        if msg.kind == SYNC_REPLY and self._resync:
+            self._adopt(msg.updates, now)
+            return []
+        for u in msg.updates:
+            if trusted or u.state == ALIVE or u.node == self.me:
+                self._learn(u, now)
+        out = self._answer(src, msg, now)
+        if self._resync and now >= self._resync_asked + self.config.period:
+            # Back from the dead: take the member list of the first host that speaks.
+            self._resync_asked = now
+            out.append(self._send(src, Message(SYNC)))
+        return out
+
+    def _adopt(self, updates: tuple[Update, ...], now: float) -> None:
+        """A host back from the dead takes a live host's view as it is (its own was
+        formed while it was cut off: everyone else dead)."""
+        self._resync = False
+        for u in updates:
+            if u.node == self.me:
+                self._learn(u, now)
+                continue
+            m = self.members.get(u.node)
+            if m is None:
+                self._learn(u, now)
+                continue
+            was = m.state
+            m.state, m.incarnation = u.state, u.incarnation
+            self._index(u.node, was, u.state)
+            if u.state == SUSPECT:
+                m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
+            if was == DEAD and u.state != DEAD:
+                self.listener.member_alive(u.node)
+            elif u.state == DEAD and was != DEAD:
+                self.listener.member_dead(u.node)
+
+    def _answer(self, src: str, msg: Message, now: float) -> Out:
+        kind = msg.kind
+        if kind == PING:
+            return [self._send(src, Message(ACK, seq=msg.seq, target=self.me))]
+        if kind == ACK:
+            relay = self._relays.pop(msg.seq, None)
+            if relay is not None:
+                return [self._send(relay.requester,
+                                   Message(ACK, seq=relay.seq, target=msg.target))]
+            probe = self._probes.get(msg.seq)
+            if probe is not None and probe.target == msg.target:
+                del self._probes[msg.seq]
+            return []
+        if kind == PING_REQ:
+            seq = self._next_seq()
+            self._relays[seq] = _Relay(src, msg.seq, now + self.config.period)
+            return [self._send(msg.target, Message(PING, seq=seq))]
+        if kind == SYNC:
+            everyone = [Update(n, m.state, m.incarnation) for n, m in self.members.items()]
+            everyone.append(Update(self.me, ALIVE, self.incarnation))
+            return [(src, Message(SYNC_REPLY, incarnation=self.incarnation,
+                                  updates=tuple(everyone)))]
+        return []  # GOSSIP, SYNC_REPLY: the updates were all
+
+    def _learn(self, u: Update, now: float) -> None:
+        if u.node == self.me:
+            if u.state != ALIVE and u.incarnation >= self.incarnation or \
+                    u.incarnation > self.incarnation:
+                # Suspected or declared dead (or a previous life was alive at a higher
+                # incarnation): refute with a higher incarnation.
+                self.incarnation = u.incarnation + 1
+                self.counters.refutations += 1
+                self._spread(Update(self.me, ALIVE, self.incarnation))
+                if u.state == DEAD and not self._resync:
+                    # Cut off: the deaths it saw meanwhile are not news for others,
+                    # and its view is resynced from the first live host it hears.
+                    for node in [n for n, (v, _) in self._news.items() if v.state != ALIVE]:
+                        del self._news[node]
+                    self._resync = True
+                    self._resync_asked = -1e9
+                    self.listener.declared_dead()
+            return
+        m = self.members.get(u.node)
+        if m is None:
+            self.members[u.node] = m = _Member(DEAD, -1)
+            self._dead.add(u.node)
+            if u.state == DEAD:
+                m.incarnation = u.incarnation
+                return
+        if u.state == ALIVE:
+            newer = u.incarnation > m.incarnation
+        elif u.state == SUSPECT:
+            newer = (u.incarnation >= m.incarnation if m.state == ALIVE
+                     else u.incarnation > m.incarnation)
+        else:
+            newer = m.state != DEAD and u.incarnation >= m.incarnation
+        if not newer:
+            return
+        was = m.state
+        m.state, m.incarnation = u.state, u.incarnation
+        self._index(u.node, was, u.state)
+        if u.state == SUSPECT:
+            m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
+        self._spread(u)
+        if was == DEAD and u.state != DEAD:
+            self.listener.member_alive(u.node)
+        elif u.state == DEAD:
+            self.counters.deaths += 1
+            for seq in [s for s, p in self._probes.items() if p.target == u.node]:
+                del self._probes[seq]
+            self.listener.member_dead(u.node)
+
+    def _index(self, node: str, was: int, now: int) -> None:
+        if now == SUSPECT:
+            self._suspects.add(node)
+        else:
+            self._suspects.discard(node)
+        if (was == DEAD) == (now == DEAD):
+            return
+        if now == DEAD:
+            self._dead.add(node)
+            self._live.pop(bisect.bisect_left(self._live, node))
+        else:
+            self._dead.discard(node)
+            bisect.insort(self._live, node)
+
+    def _suspect(self, node: str, now: float) -> None:
+        m = self.members.get(node)
+        if m is not None and m.state == ALIVE:
+            self.counters.suspicions += 1
+            self._learn(Update(node, SUSPECT, m.incarnation), now)
+
+    def _spread(self, u: Update) -> None:
+        self._news[u.node] = [u, 0]
+
+    def _send(self, dst: str, msg: Message) -> tuple[str, Message]:
+        """Stamp our incarnation and piggyback news: what we hold against `dst` first
+        (so a host suspected or declared dead hears it and refutes), then the least
+        sent updates."""
+        updates: list[Update] = []
+        m = self.members.get(dst)
+        if m is not None and m.state != ALIVE:
+            updates.append(Update(dst, m.state, m.incarnation))
+        if self._news:
+            limit = self.config.retransmits(self.size())
+            room = self.config.max_piggyback - len(updates)
+            news = sorted(self._news.values(), key=lambda n: n[1])[:room]
+            for item in news:
+                u = item[0]
+                if u.node != dst or u.state == ALIVE:
+                    updates.append(u)
+                item[1] += 1
+                if item[1] >= limit:
+                    del self._news[u.node]
+        self.counters.messages_sent += 1
+        return dst, Message(msg.kind, msg.seq, self.incarnation, msg.target,
+                            msg.updates + tuple(updates))
+
+    def status(self) -> dict[str, object]:
+        return {
+            "incarnation": self.incarnation,
+            "alive": len(self._live) - len(self._suspects) + 1,
+            "suspect": len(self._suspects),
+            "dead": len(self._dead),
+            "news": len(self._news),
+            **{k: v for k, v in vars(self.counters).items()},
+        }
+
+
+@dataclass
+class Recorder:
+    """A SwimListener that keeps what it heard (tests, the simulation)."""
+
+    alive: list[tuple[str, float]] = field(default_factory=list)
+    dead: list[tuple[str, float]] = field(default_factory=list)
+    revived: list[float] = field(default_factory=list)
+    clock: Callable[[], float] = lambda: 0.0
+
+    def member_alive(self, node: str) -> None:
+        self.alive.append((node, self.clock()))
+
+    def member_dead(self, node: str) -> None:
+        self.dead.append((node, self.clock()))
+
+    def declared_dead(self) -> None:
+        self.revived.append(self.clock())

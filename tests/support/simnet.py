@@ -1,0 +1,350 @@
+"""Many membership-and-index hosts in one process, in virtual time, over a
+lossy in-process network: what the scale tests and bench/scale.py run.
+
+Each SimHost runs mtcfs's own cores: mtcfs.peer.swim (membership) and
+mtcfs.peer.fanout (index dissemination), with replica partners from
+mtcfs.peer.placement. Only the transport and the clock are the simulation's:
+`Net` delivers each message after a random latency (reordering follows),
+drops some (loss), and none across a partition or to a host that is down;
+`Loop` is a discrete-event loop whose clock jumps to the next event.
+
+What a host does with a batch is its store's: `IndexStore` is the real
+replicated index (mtcfs.peer.index over a Namespace and a MetaStore),
+`CompactStore` keeps only each entry's stamp (id -> (lamport, writer), last
+writer wins as the index does) so a thousand hosts fit in memory.
+
+CPU: each host's handler calls (the cores, encoding for the byte count, the
+store's apply) are timed with the thread's CPU clock; bytes are those of
+the protobuf messages (mtcfs.peer.wire).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mtcfs.fs.namespace import Namespace
+from mtcfs.meta.store import MetaStore
+from mtcfs.peer import fanout, placement, swim, wire
+from mtcfs.peer.index import ReplicatedIndex
+from mtcfs.peer.v1 import peer_pb2 as pb
+
+
+class Loop:
+    """Virtual time: callbacks run in time order; the clock jumps between them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._n = 0
+
+    def at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        self._n += 1
+        heapq.heappush(self._heap, (t, self._n, fn, args))
+
+    def after(self, dt: float, fn: Callable[..., None], *args: object) -> None:
+        self.at(self.now + dt, fn, *args)
+
+    def run_until(self, t: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= t:
+            when, _, fn, args = heapq.heappop(heap)
+            self.now = when
+            fn(*args)
+        self.now = max(self.now, t)
+
+    def run_until_true(self, cond: Callable[[], bool], limit: float,
+                       step: float = 0.01) -> float | None:
+        """Run until cond() holds (checked every `step`); the time then, or None."""
+        end = self.now + limit
+        while self.now < end:
+            if cond():
+                return self.now
+            self.run_until(self.now + step)
+        return self.now if cond() else None
+
+
+class Store(Protocol):
+    def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None: ...
+
+    def digest(self) -> dict[str, tuple[int, str]]: ...
+
+    def snapshot(self) -> list[pb.Entry]: ...
+
+
+class CompactStore:
+    """An index reduced to a map id -> newest entry, merged last-writer-wins; the
+    entries are shared with the sender's batch (no copy per host)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, pb.Entry] = {}
+
+    def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
+        self.merge(batch.entries)
+
+    def merge(self, entries: Iterable[pb.Entry]) -> None:
+        have = self.entries
+        for e in entries:
+            old = have.get(e.id)
+            if old is None or (e.lamport, e.writer) > (old.lamport, old.writer):
+                have[e.id] = e
+
+    def digest(self) -> dict[str, tuple[int, str]]:
+        return {g: (e.lamport, e.writer) for g, e in self.entries.items()}
+
+    def snapshot(self) -> list[pb.Entry]:
+        return list(self.entries.values())
+
+
+class IndexStore:
+    """The real replicated index of one host (its metadata store in a temp dir)."""
+
+    def __init__(self, node_id: str, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.meta = MetaStore(os.path.join(root, "meta.db"))
+        self.index = ReplicatedIndex(Namespace(self.meta), node_id)
+
+    def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
+        self.index.apply(list(batch.entries))
+
+    def snapshot(self) -> list[pb.Entry]:
+        return list(self.index.snapshot())
+
+    def digest(self) -> dict[str, tuple[int, str]]:
+        out = {n.guid: (n.lamport, n.writer) for n in self.index.ns.inodes.values()
+               if self.index.visible(n)}
+        for g, (lam, w, _) in self.index.tombstones.items():
+            out[g] = (lam, w)
+        return out
+
+    def close(self) -> None:
+        self.meta.close()
+
+
+@dataclass
+class Traffic:
+    messages: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class SimHost:
+    """One host: SWIM membership and tree dissemination, as a daemon would run them."""
+
+    node: str
+    net: Net
+    store: Store
+    members: Iterable[str]
+    ring: list[str]
+    replicas: int = 1
+    config: swim.SwimConfig | None = None
+    fanout_degree: int = fanout.FANOUT
+    cpu: float = 0.0  # thread CPU seconds in this host's code
+    sent: Traffic = field(default_factory=Traffic)
+    received: Traffic = field(default_factory=Traffic)
+    marked_dead: dict[str, float] = field(default_factory=dict)
+    marked_alive: dict[str, float] = field(default_factory=dict)
+    batches: set[tuple[str, int]] = field(default_factory=set)
+    revivals: int = 0  # times this host learnt it had been declared dead
+    snapshot_entries: int = 0  # entries pulled by reconciliation snapshots
+    on_batch: Callable[[SimHost, str, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        loop = self.net.loop
+        self.swim = swim.Swim(self.node, self.members, self, self.net.rng, self.config,
+                              partners=self._partners, now=loop.now)
+        self.tree = fanout.Fanout(self.node, self.swim.live, self._deliver,
+                                  fanout=self.fanout_degree)
+        self._out: list[tuple[str, object]] = []
+        self._ring_at = self.ring.index(self.node)
+        self.up = True
+        loop.after(self.net.rng.random() * swim.TICK, self._tick)
+
+    def _partners(self) -> list[str]:
+        return placement.partners(self.ring, self.node, self.replicas, self.swim.is_live,
+                                  self._ring_at)
+
+    # -- membership events (SwimListener) -----------------------------------------------
+
+    def member_alive(self, node: str) -> None:
+        self.marked_alive[node] = self.net.loop.now
+        self.marked_dead.pop(node, None)
+        self._out += self.tree.alive(node, self.net.loop.now)
+
+    def member_dead(self, node: str) -> None:
+        self.marked_dead[node] = self.net.loop.now
+        self._out += self.tree.dead(node, self.net.loop.now)
+
+    def declared_dead(self) -> None:
+        """Reconcile with one live host, as the daemon's catch-up does: pull its
+        snapshot, and send it (and everyone) what this host wrote (one batch)."""
+        self.revivals += 1
+        self.net.loop.after(0.01, self._reconcile)
+
+    def _reconcile(self) -> None:
+        if not self.up:
+            return
+        same_kind = [n for n in self.swim.live() if n in self.net.hosts
+                     and type(self.net.hosts[n].store) is type(self.store)
+                     and self.net.hosts[n].up]
+        if not same_kind:
+            # Cut off alone, it holds every other host dead: once one is back, pull.
+            self.net.loop.after(0.5, self._reconcile)
+            return
+        source = self.net.hosts[self.net.rng.choice(same_kind)]
+        t0 = time.thread_time()
+        snap = source.store.snapshot()
+        self.store.apply("", 0, pb.ChangeBatch(entries=snap))
+        self.snapshot_entries += len(snap)
+        mine = [e for e in self.store.snapshot() if e.writer == self.node]
+        self.cpu += time.thread_time() - t0
+        if mine:
+            self.publish(pb.ChangeBatch(from_node=self.node, entries=mine))
+
+    def _deliver(self, origin: str, seq: int, payload: object) -> None:
+        assert isinstance(payload, pb.ChangeBatch)
+        self.store.apply(origin, seq, payload)
+        self.batches.add((origin, seq))
+        if self.on_batch is not None:
+            self.on_batch(self, origin, seq)
+
+    # -- driving ------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        if not self.up:
+            return
+        now = self.net.loop.now
+        t0 = time.thread_time()
+        out = self.swim.tick(now) + self.tree.tick(now)
+        self._send(out, t0)
+        self.net.loop.after(swim.TICK, self._tick)
+
+    def receive(self, src: str, msg: object) -> None:
+        if not self.up:
+            return
+        now = self.net.loop.now
+        t0 = time.thread_time()
+        if isinstance(msg, swim.Message):
+            out: list = self.swim.on_message(src, msg, now)
+        else:
+            out = self.tree.on_message(src, msg, now)  # type: ignore[arg-type]
+        self._send(out, t0)
+
+    def publish(self, batch: pb.ChangeBatch) -> int:
+        t0 = time.thread_time()
+        self.store.apply(self.node, 0, batch)
+        seq, out = self.tree.publish(batch, batch.ByteSize(), self.net.loop.now)
+        self.batches.add((self.node, seq))
+        self._send(out, t0)
+        return seq
+
+    def join(self, seed: str) -> None:
+        t0 = time.thread_time()
+        self._send(self.swim.join(seed), t0)
+
+    def _send(self, out: list, t0: float) -> None:
+        out += self._out
+        self._out = []
+        sized = []
+        for dst, msg in out:
+            if isinstance(msg, swim.Message):
+                n = wire.gossip_to_pb(self.node, msg).ByteSize()
+            else:
+                n = wire.tree_size(self.node, msg)
+            sized.append((dst, msg, n))
+            self.sent.messages += 1
+            self.sent.bytes += n
+        self.cpu += time.thread_time() - t0
+        for dst, msg, n in sized:
+            self.net.send(self.node, dst, msg, n)
+
+
+class Net:
+    """The in-process network: latency, loss, partitions, hosts down."""
+
+    def __init__(self, loop: Loop, rng: random.Random,
+                 latency: tuple[float, float] = (0.0002, 0.002), loss: float = 0.0) -> None:
+        self.loop = loop
+        self.rng = rng
+        self.latency = latency
+        self.loss = loss
+        self.hosts: dict[str, SimHost] = {}
+        self.side: dict[str, int] = {}  # partition side of a host (0 unless partitioned)
+
+    def send(self, src: str, dst: str, msg: object, nbytes: int) -> None:
+        if self.loss and self.rng.random() < self.loss:
+            return
+        if self.side.get(src, 0) != self.side.get(dst, 0):
+            return
+        lo, hi = self.latency
+        self.loop.after(lo + (hi - lo) * self.rng.random(), self._deliver, src, dst, msg,
+                        nbytes)
+
+    def _deliver(self, src: str, dst: str, msg: object, nbytes: int) -> None:
+        h = self.hosts.get(dst)
+        if h is None or not h.up:
+            return
+        h.received.messages += 1
+        h.received.bytes += nbytes
+        h.receive(src, msg)
+
+    def partition(self, minority: Iterable[str]) -> None:
+        for n in minority:
+            self.side[n] = 1
+
+    def heal(self) -> None:
+        self.side.clear()
+
+    def kill(self, node: str) -> None:
+        self.hosts[node].up = False
+
+
+def node_ids(n: int) -> list[str]:
+    return [f"h{i:04d}" for i in range(n)]
+
+
+def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[str] = (),
+            root: str | None = None, config: swim.SwimConfig | None = None,
+            replicas: int = 1, fanout_degree: int = fanout.FANOUT) -> Net:
+    """n hosts, all alive, each knowing every other (as from --peers); the hosts of
+    `real_index` run the real replicated index (under `root`), the rest a CompactStore."""
+    loop = Loop()
+    net = Net(loop, random.Random(seed), loss=loss)
+    ids = node_ids(n)
+    ring = placement.ring([(i, "") for i in ids])
+    real = set(real_index)
+    root = root or tempfile.mkdtemp(prefix="mtcfs-sim-")
+    for i in ids:
+        store: Store = IndexStore(i, os.path.join(root, i)) if i in real else CompactStore()
+        net.hosts[i] = SimHost(i, net, store, ids, ring, replicas=replicas, config=config,
+                               fanout_degree=fanout_degree)
+    return net
+
+
+def add_host(net: Net, node: str, *, store: Store | None = None) -> SimHost:
+    """A (replacement) host that knows no one yet: it joins through a seed."""
+    ring = next(iter(net.hosts.values())).ring
+    if node not in ring:
+        ring = placement.ring([(i, "") for i in [*ring, node]])
+    h = SimHost(node, net, store or CompactStore(), (), ring)
+    net.hosts[node] = h
+    return h
+
+
+def entry(guid: str, parent: str, name: str, lamport: int, writer: str,
+          is_dir: bool = False, size: int = 0) -> pb.Entry:
+    """An index entry as ReplicatedIndex.entry_of makes one (a sealed file or a dir)."""
+    mode = (0o40755 if is_dir else 0o100644)
+    e = pb.Entry(id=guid, parent=parent, name=name.encode(), mode=mode, size=size,
+                 lamport=lamport, writer=writer, author=writer, mtime_ns=lamport,
+                 ctime_ns=lamport)
+    if not is_dir:
+        e.version, e.has_crc, e.crc32c = 1, True, 0x1234ABCD
+        e.holders.append(writer)
+    return e

@@ -1,0 +1,174 @@
+"""Index dissemination by trees (mtcfs.peer.fanout) on many hosts in virtual
+time over the in-process network of support.simnet: a batch is complete only
+once every live host applied it, a child that dies mid-way has its subtree
+re-sent, every host converges to the same index under loss and reordering,
+and a host away for long catches up with one snapshot, nothing queued for it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtcfs.peer import fanout
+from mtcfs.peer.v1 import peer_pb2 as pb
+
+from support import simnet
+
+
+def batch(writer: str, *entries: pb.Entry) -> pb.ChangeBatch:
+    return pb.ChangeBatch(from_node=writer, entries=entries)
+
+
+def test_ranges_cover_the_ring_once() -> None:
+    ids = [f"n{i}" for i in range(10)]
+    assert [x for x in ids if fanout.in_range(x, "n3", "n3")] == [x for x in ids if x != "n3"]
+    assert [x for x in ids if fanout.in_range(x, "n7", "n2")] == ["n0", "n1", "n8", "n9"]
+
+
+def test_a_batch_is_complete_once_every_live_host_has_it() -> None:
+    net = simnet.cluster(200, seed=2, real_index=["h0000", "h0100"])
+    net.loop.run_until(1.0)
+    w = net.hosts["h0042"]
+    seq = w.publish(batch("h0042", simnet.entry("d1", "root", "step_1", 5, "h0042",
+                                                is_dir=True)))
+    t = net.loop.run_until_true(lambda: w.tree.complete(seq), 5.0, 0.001)
+    assert t is not None and t - 1.0 < 0.1
+    assert all(("h0042", seq) in h.batches for h in net.hosts.values())
+    # The writer sent at most FANOUT copies; the tree is log_8(200) deep, not 200 wide.
+    assert w.tree.counters.forwards_sent <= fanout.FANOUT
+    assert max(h.tree.counters.forwards_sent for h in net.hosts.values()) <= fanout.FANOUT
+    assert all(h.store.digest() == net.hosts["h0001"].store.digest()
+               for h in net.hosts.values())
+
+
+def test_a_child_dead_mid_way_has_its_subtree_resent() -> None:
+    net = simnet.cluster(100, seed=4)
+    net.loop.run_until(1.0)
+    w = net.hosts["h0000"]
+    # Kill the writer's first child before it can forward: its range is re-split once
+    # membership declares it dead, and the batch still reaches everyone else.
+    child = sorted(w.swim.live())[0]
+    net.kill(child)
+    seq = w.publish(batch("h0000", simnet.entry("x", "root", "x", 1, "h0000")))
+    t = net.loop.run_until_true(lambda: w.tree.complete(seq), 15.0)
+    assert t is not None
+    assert w.tree.counters.regrafts == 1
+    assert all(("h0000", seq) in h.batches for h in net.hosts.values() if h.up)
+
+
+writes = st.lists(
+    st.tuples(st.integers(0, 11), st.integers(0, 7), st.floats(0.0, 3.0)),
+    min_size=1, max_size=40)
+
+
+@settings(max_examples=25, deadline=None)
+@given(writes=writes, loss=st.sampled_from([0.0, 0.05, 0.2]),
+       latency=st.sampled_from([(0.0002, 0.002), (0.001, 0.3)]), seed=st.integers(0, 99))
+def test_every_host_converges_to_the_same_index(writes, loss, latency, seed) -> None:
+    """Concurrent writes of the same few entries from many hosts, at random times,
+    over a network that drops and reorders (latency up to 300 ms against a 0.25 s
+    retry): every host ends with the same stamps, the newest of each entry; the
+    real index on one host agrees with the compact ones."""
+    net = simnet.cluster(12, seed=seed, loss=loss, real_index=["h0003"])
+    net.latency = latency
+    ids = list(net.hosts)
+    for i, (host, guid, at) in enumerate(writes):
+        e = simnet.entry(f"g{guid}", "root", f"g{guid}", i + 1, ids[host], size=i)
+        net.loop.at(at, net.hosts[ids[host]].publish, batch(ids[host], e))
+    net.loop.run_until(4.0)
+    net.loss = 0.0  # the last retries get through (the loss is a fault, not the network)
+    t = net.loop.run_until_true(lambda: all(h.tree.in_flight() == 0
+                                            for h in net.hosts.values()), 60.0, 0.1)
+    assert t is not None
+    newest: dict[str, tuple[int, str]] = {}
+    for i, (host, guid, _) in enumerate(writes):
+        newest[f"g{guid}"] = max(newest.get(f"g{guid}", (0, "")), (i + 1, ids[host]))
+    for h in net.hosts.values():
+        assert h.store.digest() == newest, h.node
+    real = net.hosts["h0003"].store
+    assert isinstance(real, simnet.IndexStore)
+    real.close()
+
+
+def test_a_host_away_for_long_catches_up_with_one_snapshot() -> None:
+    net = simnet.cluster(50, seed=6)
+    net.loop.run_until(1.0)
+    away = "h0020"
+    net.partition([away])
+    # A long absence: 120 batches from every seventh host while it is cut off.
+    for k in range(120):
+        for h in list(net.hosts.values())[::7]:
+            if h.node != away:
+                e = simnet.entry(f"{h.node}-{k}", "root", f"{h.node}-{k}", k + 1, h.node)
+                net.loop.at(net.loop.now + 2.0 + k * 0.05, h.publish, batch(h.node, e))
+    net.loop.run_until(net.loop.now + 2.0 + 120 * 0.05 + 1.0)
+    # Nobody holds anything for it: no queue, no batch in flight.
+    assert all(h.tree.in_flight() == 0 for h in net.hosts.values() if h.node != away)
+    assert all(len(h.tree._seen) <= fanout.REMEMBER for h in net.hosts.values())
+    assert all(net.hosts[h].swim.state_of(away) == 2 for h in net.hosts if h != away)
+    # Away longer than the routers' repair window: nothing is resent to it, it
+    # reconciles with one host's snapshot.
+    net.loop.run_until(net.loop.now + fanout.REPAIR_WINDOW)
+    net.heal()
+    back = net.hosts[away]
+    t = net.loop.run_until_true(
+        lambda: back.store.digest() == net.hosts["h0000"].store.digest(), 30.0, 0.1)
+    assert t is not None
+    assert back.revivals >= 1
+    assert back.snapshot_entries <= 2 * len(net.hosts["h0000"].store.digest())
+    assert sum(h.tree.counters.repairs for h in net.hosts.values()) == 0
+
+
+@given(ids=st.sets(st.integers(0, 50), min_size=1, max_size=30), start=st.integers(0, 50),
+       end=st.integers(0, 50))
+def test_a_range_holds_the_live_hosts_between_its_ends_in_ring_order(ids, start, end) -> None:
+    names = sorted(f"n{i:02d}" for i in ids)
+    f = fanout.Fanout("me", lambda: names, lambda *a: None)
+    s, e = f"n{start:02d}", f"n{end:02d}"
+    span = f._others(s, e)
+    got = [span[k] for k in range(len(span))]
+    want = [x for x in names if fanout.in_range(x, s, e)]
+    assert sorted(got) == want
+    # In ring order from start: the ones after start first.
+    assert got == [x for x in want if x > s] + [x for x in want if x < s]
+
+
+def test_a_host_left_out_while_thought_dead_gets_the_batch_when_back() -> None:
+    """A false death (a flap): the writer routes without the host, then sees it alive
+    again and resends it what it routed meanwhile; the host's ack completes nothing."""
+    live = {"w": ["a"], "a": ["w", "y"], "y": ["a", "w"]}
+    got: dict[str, list[int]] = {n: [] for n in live}
+    hosts = {n: fanout.Fanout(n, lambda n=n: live[n], lambda o, s, p, n=n: got[n].append(s))
+             for n in live}
+
+    def run(out: list, src: str) -> None:
+        todo = [(src, dst, m) for dst, m in out]
+        while todo:
+            s, d, m = todo.pop(0)
+            todo += [(d, d2, m2) for d2, m2 in hosts[d].on_message(s, m, 1.0)]
+
+    w = hosts["w"]
+    w.dead("y", 0.5)
+    seq, out = w.publish(pb.ChangeBatch(), 10, 1.0)
+    run(out, "w")
+    assert w.complete(seq) and got["a"] == [1] and got["y"] == []
+    live["w"] = ["a", "y"]
+    run(w.alive("y", 2.0), "w")
+    assert got["y"] == [1] and w.in_flight() == 0 and w.counters.repairs == 1
+    assert w.alive("y", 3.0) == []  # once
+
+
+def test_the_cores_messages_survive_their_protobuf_encoding() -> None:
+    from mtcfs.peer import swim, wire
+
+    m = swim.Message(swim.PING_REQ, 7, 3, "h2", (swim.Update("h9", swim.DEAD, 4),))
+    raw = wire.gossip_to_pb("h1", m).SerializeToString()
+    assert wire.gossip_from_pb(pb.GossipMessage.FromString(raw)) == ("h1", m)
+    b = batch("h1", simnet.entry("g", "root", "g", 5, "h1"))
+    f = fanout.Forward("h1", 3, "h5", b, b.ByteSize())
+    raw = wire.tree_to_pb("h2", f).SerializeToString()
+    assert wire.tree_size("h2", f) == len(raw)
+    assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", f)
+    a = fanout.Ack("h1", 3, "h2", "h5")
+    raw = wire.tree_to_pb("h2", a).SerializeToString()
+    assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", a)

@@ -1,0 +1,111 @@
+"""SWIM membership (mtcfs.peer.swim) on many hosts in virtual time over the
+in-process network of support.simnet: suspicion is refuted, a partitioned
+minority is declared dead and comes back, replica partners see a death
+first, and no host's cost grows with the job."""
+
+from __future__ import annotations
+
+import random
+
+from mtcfs.peer import swim
+
+from support import simnet
+
+
+def everyone_sees_everyone(net: simnet.Net) -> bool:
+    up = [h for h in net.hosts.values() if h.up]
+    return all(all(h.swim.state_of(o.node) == swim.ALIVE for o in up if o is not h)
+               for h in up)
+
+
+def test_a_suspected_host_refutes_with_a_higher_incarnation() -> None:
+    rec = swim.Recorder()
+    a = swim.Swim("a", ["b", "c"], rec, random.Random(0))
+    out = a.on_message("b", swim.Message(swim.GOSSIP, updates=(swim.Update("a", swim.SUSPECT,
+                                                                            0),)), 1.0)
+    assert out == [] and a.incarnation == 1
+    # The refutation goes out on the next message, and others take it over the suspicion.
+    dst, msg = a.tick(2.0)[0]
+    assert swim.Update("a", swim.ALIVE, 1) in msg.updates
+    b = swim.Swim("b", ["a", "c"], swim.Recorder(), random.Random(1))
+    b.on_message("c", swim.Message(swim.GOSSIP, updates=(swim.Update("a", swim.SUSPECT, 0),)),
+                 1.0)
+    assert b.state_of("a") == swim.SUSPECT
+    b.on_message(dst, msg, 2.0)
+    assert b.state_of("a") == swim.ALIVE
+    # Past the suspicion timeout nothing is declared dead: the suspicion was lifted.
+    b.tick(100.0)
+    assert b.state_of("a") != swim.DEAD
+
+
+def test_false_suspicions_under_message_loss_are_refuted() -> None:
+    net = simnet.cluster(40, seed=3, loss=0.12)
+    net.loop.run_until(30.0)
+    hosts = list(net.hosts.values())
+    suspicions = sum(h.swim.counters.suspicions for h in hosts)
+    refutations = sum(h.swim.counters.refutations for h in hosts)
+    assert suspicions > 0, "12% loss should cause some suspicions"
+    assert refutations > 0
+    net.loss = 0.0
+    assert net.loop.run_until_true(lambda: everyone_sees_everyone(net), 10.0) is not None
+
+
+def test_a_partitioned_minority_is_declared_dead_and_rejoins_when_healed() -> None:
+    net = simnet.cluster(40, seed=5)
+    net.loop.run_until(3.0)
+    ids = list(net.hosts)
+    minority, majority = ids[:5], ids[5:]
+    net.partition(minority)
+    t = net.loop.run_until_true(
+        lambda: all(all(net.hosts[m].swim.state_of(x) == swim.DEAD for x in minority)
+                    for m in majority), 20.0, 0.1)
+    assert t is not None, "the majority did not declare the minority dead"
+    # The minority, probing 35 hosts with 5, takes longer to declare the majority dead.
+    t = net.loop.run_until_true(
+        lambda: all(net.hosts[x].swim.state_of(m) == swim.DEAD for x in minority
+                    for m in majority), 30.0, 0.1)
+    assert t is not None, "the minority did not declare the majority dead"
+    deaths = {m: net.hosts[m].swim.counters.deaths for m in majority}
+    net.heal()
+    t = net.loop.run_until_true(lambda: everyone_sees_everyone(net), 30.0, 0.1)
+    assert t is not None, "the minority did not rejoin"
+    assert all(net.hosts[x].revivals >= 1 for x in minority)
+    # The minority's stale view (the majority dead) did not spread: no majority host
+    # saw another majority host die on the heal.
+    assert {m: net.hosts[m].swim.counters.deaths for m in majority} == deaths
+
+
+def test_replica_partners_notice_a_death_first_and_within_the_bound() -> None:
+    n = 60
+    net = simnet.cluster(n, seed=7, loss=0.01)
+    net.loop.run_until(3.0)
+    victim = "h0033"
+    h = net.hosts[victim]
+    partners = h._partners()
+    assert len(partners) == 2
+    t_kill = net.loop.now
+    net.kill(victim)
+    live = [x for x in net.hosts.values() if x.up]
+    assert net.loop.run_until_true(lambda: all(victim in x.marked_dead for x in live),
+                                   30.0, 0.05) is not None
+    cfg = swim.SwimConfig()
+    # A partner probes every partner_period and suspects a period after a probe that got
+    # no answer; dead one suspicion timeout later (plus the ticks that drive the timers).
+    bound = cfg.partner_period + cfg.period + cfg.suspicion_timeout(n) + 2 * swim.TICK
+    first = min(x.marked_dead[victim] for x in live) - t_kill
+    for p in partners:
+        assert net.hosts[p].marked_dead[victim] - t_kill <= bound
+    everyone = max(x.marked_dead[victim] for x in live) - t_kill
+    assert first <= bound and everyone <= 10.0
+
+
+def test_per_host_cost_does_not_grow_with_the_job() -> None:
+    def messages_per_host_s(n: int) -> float:
+        net = simnet.cluster(n, seed=11)
+        net.loop.run_until(3.0)
+        before = sum(h.sent.messages for h in net.hosts.values())
+        net.loop.run_until(13.0)
+        return (sum(h.sent.messages for h in net.hosts.values()) - before) / n / 10.0
+
+    small, big = messages_per_host_s(20), messages_per_host_s(160)
+    assert big < small * 1.3  # all-to-all health checks would be 8x
