@@ -505,7 +505,8 @@ def _release(child: subprocess.Popen) -> None:
 def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
     """Outcomes the random model run reaches only now and then, checked every time: a
     user's mkdir in a directory it cannot write (EACCES), and its rename or unlink of
-    another user's file in a sticky directory (EPERM), while its own file there moves."""
+    another user's file in a sticky directory (EPERM), while its own files there move
+    and go."""
     mnt = make_mount(extra=("-o", "allow_other"))
     p = mnt.path
     (p / "closed").mkdir(mode=0o755)
@@ -522,7 +523,9 @@ def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
         "try:\n    os.unlink('sticky/roots')\nexcept OSError as e:\n"
         "    assert e.errno == errno.EPERM, e\nelse:\n    raise AssertionError('unlink')\n"
         "open('sticky/own', 'w').close()\n"
-        "os.rename('sticky/own', 'sticky/own2')\n"))
+        "os.rename('sticky/own', 'sticky/own2')\n"
+        "open('sticky/gone', 'w').close()\n"
+        "os.unlink('sticky/gone')\n"))
     assert sorted(os.listdir(p / "sticky")) == ["own2", "roots"]
     assert not (p / "closed" / "d").exists()
     assert (p / "sticky" / "roots").read_bytes() == b"root's"
