@@ -105,7 +105,7 @@ def _use_tls(cluster: Any, root: Path, tls: dict[int, list[str]]) -> None:
 
 
 def group(ctx: Context) -> list[Row]:
-    from support.mounts import blob, wait_until
+    from support.mounts import wait_until
     from support.netns import Cluster, netns_unavailable
     from support.netns_hosts import PORT, READER, Node, finish_read
 
@@ -125,9 +125,9 @@ def group(ctx: Context) -> list[Row]:
     ram = f"{max(2, 3 * size // (1 << 30) + 1)}GiB"
     details: dict[str, Any] = {"size": size, "reps": ctx.reps, "rate": RATE,
                                "code": code_version()}
+    src = os.urandom(size)
     cluster = Cluster(HOLDERS + 1).start()
     nodes: list[Node] = []
-    src = blob(1, size)
 
     tls: dict[int, list[str]] = {}  # host index -> --tls-* arguments, once TLS is on
 
