@@ -35,10 +35,11 @@ from ramtier import _size
 
 DETAILS = BENCH_DIR / "results" / "bulk.json"
 
-_RECEIVER = r"""
+# The reference's receiver: argv address, destination file, size (also bench/netns_restore).
+RECEIVER = r"""
 import os, socket, sys
-dest, size = sys.argv[1], int(sys.argv[2])
-ls = socket.socket(); ls.bind(("127.0.0.1", 0)); ls.listen(1)
+addr, dest, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ls = socket.socket(); ls.bind((addr, 0)); ls.listen(1)
 print(ls.getsockname()[1], flush=True)
 s, _ = ls.accept()
 fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -56,7 +57,7 @@ def sendfile_stream(src: Path, dest: Path) -> float:
     """Seconds to move src into dest: sendfile() here, recv_into + pwrite in another
     Python process (connect to acknowledgement)."""
     size = src.stat().st_size
-    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(dest), str(size)],
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(dest), str(size)],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bulk import RECEIVER
 from common import (
     BENCH_DIR,
     BenchError,
@@ -47,22 +48,6 @@ from ramtier import _size
 DETAILS = BENCH_DIR / "results" / "netns_restore.json"
 RATE = "1gbit"
 HOLDERS = 3
-
-_RECEIVER = r"""
-import os, socket, sys
-addr, dest, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ls = socket.socket(); ls.bind((addr, 0)); ls.listen(1)
-print(ls.getsockname()[1], flush=True)
-s, _ = ls.accept()
-fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-buf = bytearray(4 << 20); view = memoryview(buf); off = 0
-while off < size:
-    n = s.recv_into(view[:min(len(buf), size - off)])
-    if not n:
-        sys.exit("short stream")
-    os.pwrite(fd, view[:n], off); off += n
-os.close(fd); s.sendall(b"k"); s.close()
-"""
 
 _SENDER = r"""
 import socket, sys, time
@@ -192,7 +177,7 @@ def group(ctx: Context) -> list[Row]:
 
         def sendfile_ref() -> float:
             dest = ram_root / "sendfile-dest"
-            recv = reader_host.popen([sys.executable, "-c", _RECEIVER, reader_host.addr,
+            recv = reader_host.popen([sys.executable, "-c", RECEIVER, reader_host.addr,
                                       str(dest), str(size)], stdout=subprocess.PIPE, text=True)
             try:
                 assert recv.stdout is not None
