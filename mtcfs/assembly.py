@@ -264,9 +264,12 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     retention = (Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
                  if opts.keep_steps else None)
     # With peers, a committed step whose file lost its last copy is withdrawn.
-    withdrawal = (Withdrawal(fs, copies, rules, members.live_nodes, members.job_size,
-                             members.down_for)
-                  if members is not None else None)
+    withdrawal = None
+    if members is not None:
+        from mtcfs.peer.membership import GONE_AFTER
+
+        withdrawal = Withdrawal(fs, copies, rules, members.live_nodes, members.job_size,
+                                members.down_for, GONE_AFTER)
 
     events.register(*[x for x in (fs, lags, uploader, peers, fetcher, space, durability,
                                   retention, withdrawal) if x is not None])

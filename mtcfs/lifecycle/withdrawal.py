@@ -14,7 +14,7 @@ copy) and `mtcfs steps` shows it on every host, since it is read from the
 names; should a lost file come back (its holder rejoins with its RAM intact),
 the step is reinstated under its own names.
 
-A holder counts as gone only once it has been down for WITHDRAW_AFTER seconds
+A holder counts as gone only once it has been down for 15 s (membership.GONE_AFTER)
 as this host sees it: a frozen daemon, a cut link or a daemon restarting over
 its intact RAM dir comes back with its copies within that, and a withdrawal
 meanwhile would rename a healthy step back and forth (and split it when the
@@ -42,7 +42,6 @@ from mtcfs.events import Listener
 from mtcfs.fs.filesystem import FsError
 from mtcfs.fs.namespace import ROOT
 from mtcfs.lifecycle.copies import Copies
-from mtcfs.peer.membership import GONE_AFTER
 from mtcfs.persist.steps import StepRules, all_steps, files_under
 
 if TYPE_CHECKING:
@@ -55,22 +54,23 @@ SUFFIX = ".mtcfs-withdrawn"
 _SUFFIX = SUFFIX.encode()
 INTERVAL = 5.0  # a pass runs when peers come or go, when copies change, and this often
 REINSTATE_AFTER = 10.0  # seconds every file of a withdrawn step must have had a copy
-WITHDRAW_AFTER = GONE_AFTER  # seconds every holder of a lost file must have been down
 
 
 class Withdrawal(Listener):
     """Acts through the filesystem (`fs`): its renames are renames on the mount,
     which every host hears of. `live_nodes`: the node ids of the live peers;
-    `down_for(node_id)`: seconds since that node was last seen alive."""
+    `down_for(node_id)`: seconds since that node was last seen alive; `gone_after`:
+    how long every holder of a lost file must have been down (membership's bound)."""
 
     def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
                  live_nodes: Callable[[], list[str]], job_size: Callable[[], int],
-                 down_for: Callable[[str], float]) -> None:
+                 down_for: Callable[[str], float], gone_after: float) -> None:
         self.fs = fs
         self.copies = copies
         self.rules = rules
         self.live_nodes = live_nodes
         self.down_for = down_for
+        self.gone_after = gone_after
         self.job_size = job_size  # hosts of the job, this one included, live or not
         self.withdrawn = 0
         self.reinstated = 0
@@ -122,7 +122,7 @@ class Withdrawal(Listener):
         is reachable (its holders may still come back before then)."""
         if not self.lost(f):
             return math.inf
-        waits = [WITHDRAW_AFTER - self.down_for(h) for h in f.holders
+        waits = [self.gone_after - self.down_for(h) for h in f.holders
                  if h != self.copies.node_id]
         return max([0.0, *waits])
 
