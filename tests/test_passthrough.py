@@ -139,15 +139,21 @@ def test_close_after_fsync_does_not_checksum_again_unless_written(mnt):
         assert mnt.state(f"b{i}")["crc32c"] == crc(want), i
 
 
+def _mapped_then_closed(mnt, size: int) -> mmap.mmap:
+    """A new file of `size` bytes, mapped shared and writable, its descriptor closed (the
+    mapping keeps the file open)."""
+    fd = os.open(mnt.path / "m", os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+    os.close(fd)
+    return mm
+
+
 def test_mmap_write_close_munmap_then_the_checksum_matches(mnt):
     """A shared writable mapping outlives close(): the file is checksummed when it is
     gone, never while its data can still change unseen."""
-    p = mnt.path / "m"
     size = 8 * MiB
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
-    os.ftruncate(fd, size)
-    mm = mmap.mmap(fd, size)
-    os.close(fd)  # the mapping keeps the file open
+    mm = _mapped_then_closed(mnt, size)
     mm[0:5] = b"hello"
     mm[size - 5:size] = b"world"
     time.sleep(0.2)
@@ -163,12 +169,7 @@ def test_mmap_write_close_munmap_then_the_checksum_matches(mnt):
                    "file shows `closed` while a shared writable mapping still holds it (the "
                    "final checksum, taken when the mapping goes, is right: test above)")
 def test_a_mapped_file_is_not_shown_closed_after_close(mnt):
-    p = mnt.path / "m"
-    size = 8 * MiB
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
-    os.ftruncate(fd, size)
-    mm = mmap.mmap(fd, size)
-    os.close(fd)  # the mapping keeps the file open
+    mm = _mapped_then_closed(mnt, 8 * MiB)
     try:
         mm[0:5] = b"hello"
         time.sleep(0.2)

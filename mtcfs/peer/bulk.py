@@ -191,11 +191,15 @@ class Conn:
         """The frame's bytes, once their MAC matched (BulkError otherwise)."""
         view = memoryview(bytearray(length)) if kind == CONTROL else self.view[:length]
         recv_exact(self.sock, view)
-        want = self._mac(self.in_dir, self.received, kind, offset, view)
+        self._check_mac(kind, offset, view, mac)
+        return view
+
+    def _check_mac(self, kind: bytes, offset: int, data: memoryview | bytes, mac: bytes) -> None:
+        """The next received frame's MAC (IntegrityError when it does not match)."""
+        want = self._mac(self.in_dir, self.received, kind, offset, data)
         self.received += 1
         if not hmac.compare_digest(want, mac):
-            raise IntegrityError(f"bad MAC on the frame at {offset} ({length} bytes)")
-        return view
+            raise IntegrityError(f"bad MAC on the frame at {offset} ({len(data)} bytes)")
 
     def recv_data(self, offset: int, length: int, mac: bytes) -> bytes:
         """A data block's bytes, once their MAC matched, as bytes (what crc32c takes):
@@ -221,10 +225,7 @@ class Conn:
             view[:len(data)] = data
             recv_exact(self.sock, view[len(data):])
             data = bytes(view)
-        want = self._mac(self.in_dir, self.received, DATA, offset, data)
-        self.received += 1
-        if not hmac.compare_digest(want, mac):
-            raise IntegrityError(f"bad MAC on the frame at {offset} ({length} bytes)")
+        self._check_mac(DATA, offset, data, mac)
         return data
 
     def recv_control(self) -> dict[str, Any]:

@@ -159,15 +159,16 @@ class Membership:
             return 0.0
         if not seen and self.unresolved():
             return 0.0
-        last = max([self._started, *(p.last_ok for p in seen)])
-        return max(0.0, time.time() - last)
+        return min(self._unseen_for(p) for p in seen) if seen else self._unseen_for(None)
+
+    def _unseen_for(self, p: Peer | None) -> float:
+        """Seconds since this daemon last saw `p` alive (or started, if it never did)."""
+        return max(0.0, time.time() - max(self._started, p.last_ok if p else 0.0))
 
     def all_accounted(self) -> bool:
         """Every configured host is alive, or has been down for GONE_AFTER (this daemon's
         view): the files of a host cut off for a moment are not forgotten meanwhile."""
-        now = time.time()
-        return all(p.alive or (p.known_dead
-                               and now - max(self._started, p.last_ok) >= GONE_AFTER)
+        return all(p.alive or (p.known_dead and self._unseen_for(p) >= GONE_AFTER)
                    for p in self.peers.values())
 
     def by_node(self, node_id: str) -> Peer | None:
