@@ -294,9 +294,10 @@ def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
     if not opts.data_connections:
         return None, None
     from mtcfs.config import data_listen_address
-    from mtcfs.peer.bulk import BulkPool, BulkServer, Keys, in_trio, tls_contexts
+    from mtcfs.peer.bulk import BlockHashes, BulkPool, BulkServer, Keys, in_trio, tls_contexts
 
     keys = Keys(_secret(opts))
+    hashes = BlockHashes()  # digests learned sending or receiving, used by both sides
     try:
         server_tls, client_tls = tls_contexts(_tls(opts))
     except (OSError, ValueError) as e:
@@ -304,9 +305,9 @@ def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
     listen = data_listen_address(opts)
 
     def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
-        return BulkServer(handler, in_trio(token), keys, listen, server_tls)
+        return BulkServer(handler, in_trio(token), keys, listen, server_tls, hashes=hashes)
 
-    return BulkPool(keys, client_tls, opts.data_connections), server
+    return BulkPool(keys, client_tls, opts.data_connections, hashes), server
 
 
 def _secret(opts: MountOptions) -> bytes | None:

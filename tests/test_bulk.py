@@ -300,6 +300,28 @@ def test_fetched_block_with_bad_mac_is_not_written(channel, tmp_path):
     assert os.pread(out, BLOCK, BLOCK) == b""  # nothing written past it
 
 
+def test_a_held_replica_is_served_without_a_pass_for_its_macs(channel, tmp_path):
+    """The digests a push verified on the holder (and computed on the writer) are what
+    later MACs cover: the holder sendfile()s the blocks without reading them first.
+    A rotted block still fails the reader's MAC check (test above)."""
+    host, server = channel
+    data = blob(7, 3 * BLOCK + 5)
+    e = entry_for(data)
+    writer = BulkPool(Keys(TOKEN), None, 1)
+    assert writer.push(addr(server), write_tmp(tmp_path, data), e, "d/f", lambda: None)[0] == "OK"
+    assert writer.hashes.status()["block_digests_kept"] == 4
+    assert server.hashes.status()["block_digests_kept"] == 4
+    reader = BulkPool(Keys(TOKEN), None, 1)
+    out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    for _ in range(2):
+        reader.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 4,
+                     lambda off, n: None)
+        assert os.pread(out, len(data) + 1, 0) == data
+    st = server.hashes.status()
+    assert (st["block_digest_hits"], st["block_digest_misses"]) == (8, 0), st
+    assert reader.hashes.status()["block_digests_kept"] == 4  # it can serve them alike
+
+
 # -- real daemons --------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import google_crc32c
 import pytest
@@ -59,6 +60,23 @@ def test_reads_and_writes_bypass_the_daemon(mnt):
     assert st["bytes_written"] == 0 and st["bytes_read"] == 0  # nothing passed the daemon
     assert st["passthrough"]["passthrough_opens"] >= before["passthrough_opens"] + 2
     assert mnt.state("f")["crc32c"] == crc(data)
+
+
+def test_the_ram_tier_is_a_tmpfs_with_huge_pages_within_file_size(mnt):
+    """Its own tmpfs, huge=within_size: big files get 2 MiB pages (cheaper writes and
+    reads), a small file is not rounded up to one, and bytes are bytes."""
+    data_dir = str(mnt.ram_dir / "data")
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    opts = [line.split()[3] for line in mounts if line.split()[1] == data_dir]
+    assert opts and "huge=within_size" in opts[-1].split(","), opts
+    small, big = blob(2, 5000), blob(3, 8 * MiB + 17)
+    (mnt.path / "small").write_bytes(small)
+    (mnt.path / "big").write_bytes(big)
+    assert (mnt.path / "small").read_bytes() == small
+    assert (mnt.path / "big").read_bytes() == big
+    assert mnt.state("big")["crc32c"] == crc(big)
+    ino = os.stat(mnt.path / "small").st_ino
+    assert os.stat(mnt.ram_dir / "data" / str(ino)).st_blocks * 512 <= 8192
 
 
 def test_close_marks_sealing_then_the_checksum_arrives(mnt):

@@ -15,10 +15,17 @@ Security is no weaker than the gRPC calls' token:
   replayed on a new connection fails, the server's nonce being new.
 - Every frame (control messages and data blocks) carries a keyed BLAKE3 MAC
   under a per-connection key (derived from the token and both nonces) over the
-  direction, a frame counter, the frame's header and its bytes: a block cannot
-  be altered, replayed, reordered or reflected. A block counts only after its
-  MAC and its crc32c (against the index's block crc32cs) both matched; nothing
-  unverified is written.
+  direction, a frame counter, the frame's header and the BLAKE3 digest of its
+  bytes (hash-then-MAC: as strong as the MAC of the bytes themselves while
+  BLAKE3 resists collisions): a block cannot be altered, replayed, reordered or
+  reflected. A block counts only after its MAC and its crc32c (against the
+  index's block crc32cs) both matched; nothing unverified is written.
+- Because the MAC covers a digest, a host that knows a block's digest already
+  does not read the block to send it: `BlockHashes` remembers the digests of
+  blocks this host sent or verified (a push computes them once on the writer
+  and verifies them on the replica's holder), so serving a restore is a bare
+  sendfile(). A remembered digest that no longer matches the bytes (a file
+  changed in place) fails the receiver's MAC check: never served as good.
 - With --tls-* the connection is TLS (the ssl module), like the gRPC channel.
 
 Wire format, after the handshake: frames of a 45-byte header (kind, offset,
@@ -47,6 +54,7 @@ import ssl
 import struct
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -110,6 +118,52 @@ class Keys:
         return blake3(server_nonce + client_nonce, key=self.data).digest()
 
 
+class BlockHashes:
+    """BLAKE3 digests of blocks this host sent or verified, by (file id, version) and
+    (offset, length): what lets a sender skip reading a block to MAC it. Bounded
+    (least recently used files go first); shared by the server and the pool's
+    threads."""
+
+    def __init__(self, max_blocks: int = 65536) -> None:
+        self.max_blocks = max_blocks  # 64Ki blocks: 256 GiB of data, about 10 MiB here
+        self._files: OrderedDict[tuple[str, int], dict[tuple[int, int], bytes]] = OrderedDict()
+        self._count = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, guid: str, version: int, offset: int, length: int) -> bytes | None:
+        with self._lock:
+            blocks = self._files.get((guid, version))
+            digest = blocks.get((offset, length)) if blocks is not None else None
+            if digest is None:
+                self.misses += 1
+                return None
+            self._files.move_to_end((guid, version))
+            self.hits += 1
+            return digest
+
+    def put(self, guid: str, version: int, offset: int, length: int, digest: bytes) -> None:
+        with self._lock:
+            blocks = self._files.setdefault((guid, version), {})
+            self._files.move_to_end((guid, version))
+            if (offset, length) not in blocks:
+                self._count += 1
+            blocks[(offset, length)] = digest
+            while self._count > self.max_blocks and len(self._files) > 1:
+                _, gone = self._files.popitem(last=False)
+                self._count -= len(gone)
+
+    def status(self) -> dict[str, int]:
+        return {"block_digests_kept": self._count, "block_digest_hits": self.hits,
+                "block_digest_misses": self.misses}
+
+
+def digest_of(data: memoryview | bytes) -> bytes:
+    """What a frame's MAC covers of its bytes (BLAKE3 releases the GIL on large inputs)."""
+    return blake3(data).digest()
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         n = sock.recv_into(view)
@@ -150,10 +204,12 @@ class Conn:
 
     def _mac(self, direction: bytes, seq: int, kind: bytes, offset: int,
              data: memoryview | bytes) -> bytes:
-        h = blake3(key=self.key)
-        h.update(direction + struct.pack("<QcQI", seq, kind, offset, len(data)))
-        h.update(data)
-        return h.digest()
+        return self._mac_of(direction, seq, kind, offset, len(data), digest_of(data))
+
+    def _mac_of(self, direction: bytes, seq: int, kind: bytes, offset: int, length: int,
+                digest: bytes) -> bytes:
+        header = direction + struct.pack("<QcQI", seq, kind, offset, length)
+        return blake3(header + digest, key=self.key).digest()
 
     # -- sending ---------------------------------------------------------------------
 
@@ -163,18 +219,38 @@ class Conn:
         self.sent += 1
         self.sock.sendall(HEADER.pack(CONTROL, 0, len(body), mac) + body)
 
-    def send_block(self, f: Any, fd: int, offset: int, length: int) -> None:
-        """One block of the open file `fd` (`f`: a file object over it): read once for
-        its MAC, then handed to the kernel (sendfile). Bytes that changed in between
-        fail the receiver's check: never counted there."""
-        view = self.view[:length]
-        if os.preadv(fd, [view], offset) != length:
-            raise BulkError(f"the file is shorter than {offset + length} bytes")
-        mac = self._mac(self.out_dir, self.sent, DATA, offset, view)
+    def send_block(self, f: Any, fd: int, offset: int, length: int,
+                   digest: bytes | None = None) -> bytes:
+        """One block of the open file `fd` (`f`: a file object over it), handed to the
+        kernel (sendfile); returns its digest. Without a known `digest` the block is
+        read once for it first. Bytes that changed since fail the receiver's check:
+        never counted there."""
+        if digest is None:
+            view = self.view[:length]
+            if os.preadv(fd, [view], offset) != length:
+                raise BulkError(f"the file is shorter than {offset + length} bytes")
+            digest = digest_of(view)
+        mac = self._mac_of(self.out_dir, self.sent, DATA, offset, length, digest)
         self.sent += 1
         self.sock.sendall(HEADER.pack(DATA, offset, length, mac))
         if self.sock.sendfile(f, offset, length) != length:
             raise BulkError(f"the file is shorter than {offset + length} bytes")
+        return digest
+
+    def send_blocks(self, f: Any, fd: int, offset: int, end: int, hashes: BlockHashes,
+                    guid: str, version: int, before: Callable[[], None] | None = None
+                    ) -> Iterator[int]:
+        """The blocks of bytes [offset, end) of a file (guid, version), with the digests
+        `hashes` knows (and learning the others); yields each block's length once sent."""
+        for off in range(offset, end, BLOCK):
+            n = min(BLOCK, end - off)
+            if before is not None:
+                before()
+            known = hashes.get(guid, version, off, n)
+            digest = self.send_block(f, fd, off, n, known)
+            if known is None:
+                hashes.put(guid, version, off, n, digest)
+            yield n
 
     # -- receiving -------------------------------------------------------------------
 
@@ -194,17 +270,21 @@ class Conn:
         self._check_mac(kind, offset, view, mac)
         return view
 
-    def _check_mac(self, kind: bytes, offset: int, data: memoryview | bytes, mac: bytes) -> None:
-        """The next received frame's MAC (IntegrityError when it does not match)."""
-        want = self._mac(self.in_dir, self.received, kind, offset, data)
+    def _check_mac(self, kind: bytes, offset: int, data: memoryview | bytes, mac: bytes
+                   ) -> bytes:
+        """The next received frame's MAC (IntegrityError when it does not match);
+        returns the digest of its bytes."""
+        digest = digest_of(data)
+        want = self._mac_of(self.in_dir, self.received, kind, offset, len(data), digest)
         self.received += 1
         if not hmac.compare_digest(want, mac):
             raise IntegrityError(f"bad MAC on the frame at {offset} ({len(data)} bytes)")
+        return digest
 
-    def recv_data(self, offset: int, length: int, mac: bytes) -> bytes:
-        """A data block's bytes, once their MAC matched, as bytes (what crc32c takes):
-        received straight into a new bytes object where the socket allows it, so
-        the block is not copied once more."""
+    def recv_data(self, offset: int, length: int, mac: bytes) -> tuple[bytes, bytes]:
+        """A data block's bytes, once their MAC matched, as bytes (what crc32c takes),
+        and their digest: received straight into a new bytes object where the socket
+        allows it, so the block is not copied once more."""
         data = b""
         if not isinstance(self.sock, ssl.SSLSocket):
             # MSG_WAITALL waits for the whole block only on a blocking socket (Python's
@@ -225,8 +305,7 @@ class Conn:
             view[:len(data)] = data
             recv_exact(self.sock, view[len(data):])
             data = bytes(view)
-        self._check_mac(DATA, offset, data, mac)
-        return data
+        return data, self._check_mac(DATA, offset, data, mac)
 
     def recv_control(self) -> dict[str, Any]:
         kind, offset, length, mac = self.recv_header()
@@ -348,10 +427,12 @@ class BulkServer:
 
     def __init__(self, handler: PeerHandler, in_owner: Callable[..., Any], keys: Keys,
                  listen: tuple[str, int], tls: ssl.SSLContext | None = None,
-                 max_connections: int = MAX_SERVER_CONNECTIONS) -> None:
+                 max_connections: int = MAX_SERVER_CONNECTIONS,
+                 hashes: BlockHashes | None = None) -> None:
         self.handler = handler
         self.in_owner = in_owner
         self.keys = keys
+        self.hashes = hashes if hashes is not None else BlockHashes()
         self.tls = tls
         self.slots = threading.BoundedSemaphore(max_connections)
         family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
@@ -380,7 +461,7 @@ class BulkServer:
         return {"port": self.port, "handshakes_refused": self.rejected,
                 "requests_refused": self.refused, "replicas_received": self.pushes_received,
                 "bytes_received": self.bytes_received, "bytes_served": self.bytes_served,
-                "restore_bytes_served": self.chunk_bytes_served}
+                "restore_bytes_served": self.chunk_bytes_served, **self.hashes.status()}
 
     def start(self) -> int:
         self._thread.start()
@@ -486,6 +567,7 @@ class BulkServer:
         if e.removed or not e.has_crc or not e.block_crcs:
             raise BadRequest("a pushed file needs its crc32c and block crc32cs")
         verify = BlockVerifier(e.size, e.crc32c, bytes(e.block_crcs))
+        digests: list[tuple[int, int, bytes]] = []
         key, tmp = self.in_owner(self.handler.begin_receive, e)
         ok = False
         try:
@@ -503,9 +585,10 @@ class BulkServer:
                     if offset != verify.offset or length != min(BLOCK, e.size - offset):
                         raise BadRequest(f"block at {offset} of {length} bytes; expected "
                                          f"{verify.offset} of {min(BLOCK, e.size - offset)}")
-                    data = conn.recv_data(offset, length, mac)
+                    data, digest = conn.recv_data(offset, length, mac)
                     verify.feed(data)  # raises IntegrityError on a bad crc32c
                     os.pwrite(fd, data, offset)
+                    digests.append((offset, length, digest))
                     self.bytes_received += length
                     # This host's trainer is writing: let it have the CPU (bounded).
                     yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
@@ -514,6 +597,9 @@ class BulkServer:
                 os.close(fd)
             conn.sock.settimeout(REPLY_TIMEOUT)
             ok = self.in_owner(self.handler.finish_receive, e, key, tmp)
+            if ok:  # serving this replica later needs no pass over it for its MACs
+                for offset, length, digest in digests:
+                    self.hashes.put(e.id, e.version, offset, length, digest)
         except Exception as exc:
             log.warning("replica of %s from %s rejected: %s", path, e.writer, exc)
             raise
@@ -542,9 +628,8 @@ class BulkServer:
             end = size if length == 0 else min(size, offset + length)
             conn.send_control({"ok": True, "size": size})
             with open(fd, "rb", buffering=0, closefd=False) as f:
-                for off in range(offset, end, BLOCK):
-                    conn.send_block(f, fd, off, min(BLOCK, end - off))
-                    self.bytes_served += min(BLOCK, end - off)
+                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version):
+                    self.bytes_served += n
         finally:
             os.close(fd)
 
@@ -578,10 +663,9 @@ class BulkServer:
                 raise BadRequest(f"bytes {offset}-{end} are beyond the file's {size}")
             conn.send_control({"ok": True, "have": True, "size": size})
             with open(fd, "rb", buffering=0, closefd=False) as f:
-                for off in range(offset, end, BLOCK):
-                    conn.send_block(f, fd, off, min(BLOCK, end - off))
-                    self.bytes_served += min(BLOCK, end - off)
-                    self.chunk_bytes_served += min(BLOCK, end - off)
+                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version):
+                    self.bytes_served += n
+                    self.chunk_bytes_served += n
         finally:
             os.close(fd)
 
@@ -593,9 +677,11 @@ class BulkPool:
     """Connections to peers' data channels: at most `connections` per peer, kept open
     and reused; used from worker threads (every call blocks)."""
 
-    def __init__(self, keys: Keys, tls: ssl.SSLContext | None, connections: int) -> None:
+    def __init__(self, keys: Keys, tls: ssl.SSLContext | None, connections: int,
+                 hashes: BlockHashes | None = None) -> None:
         self.keys = keys
         self.tls = tls
+        self.hashes = hashes if hashes is not None else BlockHashes()
         self.connections = connections
         self._idle: dict[tuple[str, int], list[Conn]] = {}
         self._slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
@@ -664,9 +750,9 @@ class BulkPool:
                 c.recv_reply()
                 try:
                     with open(fd, "rb", buffering=0, closefd=False) as f:
-                        for off in range(0, size, BLOCK):
-                            yield_to_writes()
-                            c.send_block(f, fd, off, min(BLOCK, size - off))
+                        for _ in c.send_blocks(f, fd, 0, size, self.hashes, entry.id,
+                                               entry.version, yield_to_writes):
+                            pass
                     c.send_control({"op": "end"})
                 except OSError:
                     # Refused mid-stream (a block that did not verify)? Its answer says why.
@@ -703,12 +789,13 @@ class BulkPool:
                 kind, got, length, mac = c.recv_header()
                 if kind != DATA or got != off or length != min(BLOCK, end - off):
                     raise BulkError(f"block at {got} of {length} bytes; expected {off}")
-                data = c.recv_data(got, length, mac)
+                data, digest = c.recv_data(got, length, mac)
                 if google_crc32c.value(data) != want[i]:
                     e = IntegrityError(f"block at {off}: crc32c mismatch")
                     e.bad_range = (off, off + length)
                     raise e
                 os.pwrite(fd, data, off)
+                self.hashes.put(guid, version, off, length, digest)
                 on_block(off, length)
 
     def fetch_chunk(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
@@ -732,17 +819,21 @@ class BulkPool:
             if not reply.get("have"):
                 return False
             got = whole = 0
+            digests = []
             while got < length:
                 kind, at, n, mac = c.recv_header()
                 want = min(BLOCK, length - got)
                 if kind != DATA or at != offset + got or n != want:
                     raise BulkError(f"block at {at} of {n} bytes; expected {offset + got}")
-                data = c.recv_data(at, n, mac)
+                data, digest = c.recv_data(at, n, mac)
                 whole = google_crc32c.extend(whole, data)
                 os.pwrite(fd, data, at)
+                digests.append((at, n, digest))
                 got += n
             if whole != crc:
                 e = IntegrityError(f"chunk at {offset}: crc32c mismatch")
                 e.bad_range = (offset, offset + length)
                 raise e
+            for at, n, digest in digests:
+                self.hashes.put(guid, version, at, n, digest)
             return True
