@@ -14,6 +14,9 @@ RAM-tier bookkeeping and FUSE.
    live holder of the file, held by a and b), reads it with the C reader, open
    to close, from an empty RAM tier; then a new host d, peered with a and b,
    reads it too (a striped restore from two holders).
+3. restore into RAM without reading it (`mtcfs prefetch`, what a replacement
+   host runs before its trainer starts): a new host e, peered with a only,
+   from the request to every block verified in its RAM tier.
 
 Each rep writes a new file and starts new readers (untimed).
 """
@@ -30,7 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from common import BENCH_DIR, BenchError, Context, MiB, Row, code_version, err, mib_s, save_details
-from peers import Cluster, push_seconds, settle, state, status, wait_replicated
+from peers import (
+    Cluster,
+    prefetch_seconds,
+    push_seconds,
+    settle,
+    state,
+    status,
+    wait_replicated,
+)
 from ramtier import _size
 
 DETAILS = BENCH_DIR / "results" / "bulk.json"
@@ -97,7 +108,7 @@ def group(ctx: Context) -> list[Row]:
         err.print("  hosts a, b (holders); per rep c (peered with a) and d (with a and b)",
                   style="dim")
 
-        def ours() -> tuple[float, float, float, float]:
+        def ours() -> tuple[float, float, float, float, float]:
             i = next(n)
             name = f"bulk-{i}.bin"
             path = a.path / name
@@ -110,9 +121,13 @@ def group(ctx: Context) -> list[Row]:
                 raise BenchError(f"{name} should be on a and b: {state(path)}")
             c = cl.start(f"c{i}", ["a"], replicas=0)
             d = cl.start(f"d{i}", ["a", "b"], replicas=0)
+            e = cl.start(f"e{i}", ["a"], replicas=0)
             try:
                 t_one, got = ctx.io.read(c.path / name, MiB)
                 t_two, got2 = ctx.io.read(d.path / name, MiB)
+                t_pre = prefetch_seconds(e.path, [name])
+                if state(e.path / name)["crc32c"] != state(path)["crc32c"]:
+                    raise BenchError(f"e's copy of {name} differs: {state(e.path / name)}")
                 if got != size or got2 != size:
                     raise BenchError(f"restores read {got} and {got2} bytes of {size}")
                 if set(status(d)["fetch"]["bytes_by_source"]) != {"a", "b"}:
@@ -120,16 +135,18 @@ def group(ctx: Context) -> list[Row]:
             finally:
                 cl.stop(f"c{i}")
                 cl.stop(f"d{i}")
+                cl.stop(f"e{i}")
             path.unlink()
             settle(a, b)
             return (mib_s(size, t_push), mib_s(size, t_close), mib_s(size, t_one),
-                    mib_s(size, t_two))
+                    mib_s(size, t_two), mib_s(size, t_pre))
 
         def theirs() -> float:
             return mib_s(size, sendfile_stream(ref_src, ref_dest))
 
         xs, ys = ctx.alternate(ours, theirs, label="bulk MiB/s (push, close->replica, "
-                                                   "restore 1 holder, 2 holders)")
+                                                   "restore 1 holder, 2 holders, "
+                                                   "prefetch 1 holder)")
     finally:
         ref_src.unlink(missing_ok=True)
         for name in list(cl.hosts):
@@ -137,6 +154,7 @@ def group(ctx: Context) -> list[Row]:
     details["bulk"] = {"push_mib_s": [x[0] for x in xs], "close_to_replica_mib_s":
                        [x[1] for x in xs], "restore_one_holder_mib_s": [x[2] for x in xs],
                        "restore_two_holders_mib_s": [x[3] for x in xs],
+                       "prefetch_one_holder_mib_s": [x[4] for x in xs],
                        "sendfile_stream_mib_s": ys}
     save_details(DETAILS, details)
     what = _size(size)
@@ -151,6 +169,8 @@ def group(ctx: Context) -> list[Row]:
             [x[2] for x in xs], min_ratio=0.7, **ref),
         Row("bulk", f"restore read of {what} striped over two holders", "MiB/s",
             [x[3] for x in xs], **ref),
+        Row("bulk", f"restore of {what} into RAM from one holder (mtcfs prefetch)", "MiB/s",
+            [x[4] for x in xs], min_ratio=0.8, **ref),
     ]
 
 

@@ -5,7 +5,9 @@ this machine, are the limit.
 Hosts (tests/support/netns.py): h0, h1, h2 hold every file (h0 writes it, K=2);
 per rep and per k in 1, 2, 3 a new empty host r<k>, peered with h0..h<k-1> only,
 reads the file (a subprocess reading through its mount, open to EOF). Its blocks
-come from all k holders at once over the data channel (striped).
+come from all k holders at once over the data channel (striped). Over the
+links as they are, one more reader per k in 1, 3 restores the file into its RAM
+tier without reading it (`mtcfs prefetch`: request to every block verified).
 
 Reference, measured in the same run over the same links: a raw sendfile() stream
 of the same bytes from a Python process in h0 to one in the reader's host
@@ -43,6 +45,7 @@ from common import (
     mib_s,
     save_details,
 )
+from peers import prefetch_seconds
 from ramtier import _size
 
 DETAILS = BENCH_DIR / "results" / "netns_restore.json"
@@ -150,8 +153,9 @@ def group(ctx: Context) -> list[Row]:
         ref_src.write_bytes(src)
         seq = iter(range(1_000_000))
 
-        def restore(k: int, rel: str) -> tuple[float, float, float]:
-            """(MiB/s, reader CPU s/GiB, holders' CPU s/GiB) of one restore from k holders."""
+        def restore(k: int, rel: str, prefetch: bool = False) -> tuple[float, float, float]:
+            """(MiB/s, reader CPU s/GiB, holders' CPU s/GiB) of one restore from k holders:
+            read through the mount, or (prefetch) into its RAM tier."""
             r = node(HOLDERS, f"r{k}-{next(seq)}", addrs[:k], 0)
             try:
                 wait_until(lambda: r.live_peers() >= {f"h{i}" for i in range(k)}, 30,
@@ -159,15 +163,18 @@ def group(ctx: Context) -> list[Row]:
                 pids = [h.proc.pid for h in holders[:k] if h.proc is not None]
                 assert r.proc is not None
                 c0 = _cpu_seconds(r.proc.pid), sum(_cpu_seconds(p) for p in pids)
-                res = finish_read(subprocess.Popen([sys.executable, "-c", READER,
-                                                    str(r.path(rel))],
-                                                   stdout=subprocess.PIPE, text=True),
-                                  600, f"restore on {r.node_id}")
+                if prefetch:
+                    res = {"ok": True, "size": size, "elapsed": prefetch_seconds(r.mp, [rel])}
+                else:
+                    res = finish_read(subprocess.Popen([sys.executable, "-c", READER,
+                                                        str(r.path(rel))],
+                                                       stdout=subprocess.PIPE, text=True),
+                                      600, f"restore on {r.node_id}")
                 c1 = _cpu_seconds(r.proc.pid), sum(_cpu_seconds(p) for p in pids)
                 if not res["ok"] or res["size"] != size:
                     raise BenchError(f"restore on {r.node_id}: {res}")
                 by = r.status()["fetch"]["bytes_by_source"]
-                sources.setdefault(f"{mode_now[0]} {k}", []).append(
+                sources.setdefault(f"{mode_now[0]} {'p' * prefetch}{k}", []).append(
                     {h: round(n / size, 2) for h, n in sorted(by.items())})
                 gib = size / (1 << 30)
                 return (mib_s(size, res["elapsed"]), (c1[0] - c0[0]) / gib,
@@ -211,6 +218,9 @@ def group(ctx: Context) -> list[Row]:
             res = results[mode] = {"sendfile": [], **{f"{k}": [] for k in range(1, 4)},
                                    **{f"cpu_reader_{k}": [] for k in range(1, 4)},
                                    **{f"cpu_holders_{k}": [] for k in range(1, 4)}}
+            prefetches = (1, HOLDERS) if mode == "unlimited" else ()
+            for k in prefetches:
+                res.update({f"p{k}": [], f"cpu_reader_p{k}": [], f"cpu_holders_p{k}": []})
             for rep in range(ctx.reps):
                 rel = f"{mode}-{rep}.bin"
                 holders[0].write(rel, src)
@@ -225,11 +235,18 @@ def group(ctx: Context) -> list[Row]:
                     res[str(k)].append(mib)
                     res[f"cpu_reader_{k}"].append(cpu_r)
                     res[f"cpu_holders_{k}"].append(cpu_h)
+                for k in prefetches:
+                    mib, cpu_r, cpu_h = restore(k, rel, prefetch=True)
+                    res[f"p{k}"].append(mib)
+                    res[f"cpu_reader_p{k}"].append(cpu_r)
+                    res[f"cpu_holders_p{k}"].append(cpu_h)
                 if not rep % 2:
                     res["sendfile"].append(sendfile_ref())
                 err.print(f"  {mode} rep {rep + 1}/{ctx.reps}: sendfile "
                           f"{res['sendfile'][-1]:.0f} MiB/s; restore from 1/2/3 holders "
                           + "/".join(f"{res[str(k)][-1]:.0f}" for k in (1, 2, 3))
+                          + "".join(f"; prefetch from {k}: {res[f'p{k}'][-1]:.0f}"
+                                    for k in prefetches)
                           + " MiB/s (shares per holder: "
                           + "; ".join(str(sources[f"{mode} {k}"][-1]) for k in (1, 2, 3))
                           + ")", style="dim")
@@ -275,6 +292,13 @@ def group(ctx: Context) -> list[Row]:
             rows.append(Row("netns", f"restore of {what} from {k} holder(s), {label}", "MiB/s",
                             res[str(k)], min_ratio=0.8 if (mode, k) == ("unlimited", 1)
                             else None, **{**ref, "note": f"{ref['note']}; {cpu}"}))
+            if f"p{k}" in res:
+                cpu = (f"CPU s/GiB: reader {median(res[f'cpu_reader_p{k}']):.2f}, "
+                       f"holders {median(res[f'cpu_holders_p{k}']):.2f}")
+                rows.append(Row("netns", f"restore of {what} into RAM (mtcfs prefetch) from "
+                                f"{k} holder(s), {label}", "MiB/s", res[f"p{k}"],
+                                min_ratio=0.8 if k == 1 else None,
+                                **{**ref, "note": f"{ref['note']}; {cpu}"}))
     return rows
 
 

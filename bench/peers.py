@@ -143,6 +143,21 @@ def status(m: Mount) -> dict[str, Any]:
     return control.request(str(m.path), "status")["status"]
 
 
+def prefetch_seconds(mountpoint: Path, rels: list[str]) -> float:
+    """`mtcfs prefetch` without the CLI's start-up: request to every file in RAM
+    (polled every 10 ms). Raises BenchError if a file failed."""
+    t0 = time.monotonic()
+    r = control.request(str(mountpoint), "prefetch", paths=rels, parallel=4)
+    while True:
+        st = control.request(str(mountpoint), "prefetch_progress", inos=r["inos"])
+        if st["finished"]:
+            t = time.monotonic() - t0
+            if st["failed"] or st["files_done"] != len(rels):
+                raise BenchError(f"prefetch on {mountpoint}: {st}")
+            return t
+        time.sleep(0.01)
+
+
 def state(path: Path) -> dict[str, Any]:
     return json.loads(os.getxattr(path, STATE))
 
