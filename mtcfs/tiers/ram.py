@@ -17,7 +17,8 @@ daemon has reserved (replicas and fetches about to arrive), whichever is more.
 That tmpfs backs files with transparent huge pages where they fit within the
 file (huge=within_size): a 2 MiB page per fault instead of 512 small ones makes
 writing into it, and reading from it, about twice as cheap (docs/benchmarks.md);
-small files and the tail of a file keep small pages, so none is rounded up.
+small files and the tail of a file keep small pages, so none is rounded up (a
+write into a hole of a file sized beforehand takes its whole 2 MiB page).
 Everything the budget covers lives in that one directory (replicas being
 received in `.incoming`, data being deleted in `.trash`), so renames between
 them never cross filesystems.
