@@ -62,6 +62,8 @@ def test_reads_and_writes_bypass_the_daemon(mnt):
     assert mnt.state("f")["crc32c"] == crc(data)
 
 
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").exists(),
+                    reason="no transparent huge pages for tmpfs in this kernel")
 def test_the_ram_tier_is_a_tmpfs_with_huge_pages_within_file_size(mnt):
     """Its own tmpfs, huge=within_size: big files get 2 MiB pages (cheaper writes and
     reads), a small file is not rounded up to one, and bytes are bytes."""
