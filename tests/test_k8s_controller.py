@@ -543,6 +543,17 @@ def test_discovery_writes_peers_and_failure_domains(api: FakeApiServer, kube: Ku
     assert {p.node: [m.key() for m in p.members] for p in view.peers} == {
         "n2": ["ml/llama/0/1"], "n3": ["ml/llama/1/0"]}
 
+    # A node gone NotReady: the node lifecycle controller marks its pods not Ready, and
+    # the daemon there stops being a peer at the next scan (so does a deleted pod).
+    n2 = api.objects[("", "pods", NS, "mtcfsd-x-n2")]
+    n2["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    assert [p.node for p in d.scan().peers] == ["n3"]
+    n2["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    assert [p.node for p in d.scan().peers] == ["n2", "n3"]
+    api.objects[("", "pods", NS, "mtcfsd-x-n3")]["metadata"]["deletionTimestamp"] = "now"
+    assert [p.node for p in d.scan().peers] == ["n2"]
+    api.objects[("", "pods", NS, "mtcfsd-x-n3")]["metadata"].pop("deletionTimestamp")
+
     # Narrowed to the JobSet's nodes; zone label per the CPC's failureDomainLabel.
     d = discovery.Discovery(kube, "n1", NS, o.daemon_selector("x"), o.PEER_PORT,
                             "cloud.google.com/gke-nodepool", jobset=("ml", "llama"))

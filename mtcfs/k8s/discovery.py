@@ -88,9 +88,22 @@ def failure_domain(node: Obj | None, label: str) -> str | None:
 
 
 def _running(pod: Obj) -> bool:
+    """A peer: running, not being deleted, and Ready. A deleted pod leaves the peers
+    file at the next scan, and so does one on a node gone NotReady: the node
+    lifecycle controller marks that node's pods not Ready when it marks the node
+    (node-monitor-grace-period, 40 s by default), so no node list is needed. The
+    daemon takes a host that leaves the file as gone at once."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     return (not meta.get("deletionTimestamp") and status.get("phase") == "Running"
-            and bool(status.get("hostIP")) and bool((pod.get("spec") or {}).get("nodeName")))
+            and bool(status.get("hostIP")) and bool((pod.get("spec") or {}).get("nodeName"))
+            and _ready(status))
+
+
+def _ready(status: dict[str, Any]) -> bool:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return True  # no conditions reported (yet): running is all we know
 
 
 def _host_port(ip: str, port: int) -> str:
