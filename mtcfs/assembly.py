@@ -283,7 +283,8 @@ def _membership(opts: MountOptions, events: Events) -> Any:
     static = [a.strip() for a in (opts.peers or "").split(",") if a.strip()]
     try:
         return Membership(opts.listen or "", opts.node_id, static, opts.peers_file,
-                          _secret(opts), _tls(opts), events)
+                          _secret(opts), _tls(opts), events,
+                          domain=opts.failure_domain or "", replicas=opts.replicas or 0)
     except (OSError, ValueError) as e:
         raise AssemblyError(f"peer tier: {e}") from None
 
