@@ -91,8 +91,8 @@ class Mount:
     # -- running ---------------------------------------------------------------------
 
     async def start_peers(self, nursery: trio.Nursery) -> None:
-        """Before the mount is live: listen, hear from every peer, pull their
-        snapshots (a new host sees the whole tree at once)."""
+        """Before the mount is live: listen, be heard by every peer, pull one caught-up
+        peer's snapshot (a new host sees the whole tree at once)."""
         if self.peers is not None:
             await self.peers.start(nursery)
 

@@ -330,7 +330,11 @@ class Membership:
     def open(self) -> None:
         """Bind the datagram socket (before the peer tier waits for its peers)."""
         if self.endpoint is None:
-            self.endpoint = Endpoint(self.me)
+            try:
+                self.endpoint = Endpoint(self.me)
+            except OSError as e:
+                raise OSError(e.errno, f"membership datagrams: cannot bind UDP {self.me}: "
+                                       f"{e.strerror}") from None
 
     def _send(self, out: swim.Out) -> None:
         if self.endpoint is None:
