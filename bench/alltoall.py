@@ -1,9 +1,9 @@
 """Today's all-to-all design in the scale harness, for comparison (bench/scale.py
 --alltoall N).
 
-A MODEL, not the daemon's code: mtcfs.peer.membership and
-mtcfs.peer.dissemination are bound to gRPC and trio, so their algorithms are
-restated here as a sans-IO host with their constants: every peer
+A MODEL, not the daemon's code: the all-to-all health checks the daemon used
+before SWIM (their constants below, as they were in mtcfs.peer.membership) and
+mtcfs.peer.dissemination, restated as a sans-IO host: every peer
 health-checked every HEALTH_INTERVAL (RETRY_INTERVAL while failing), a check
 failing after HEALTH_TIMEOUT, DEAD_AFTER failures in a row mark it dead;
 every change sent by its writer to every peer on one ordered queue per peer
@@ -20,11 +20,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from mtcfs.peer.membership import DEAD_AFTER, HEALTH_INTERVAL, HEALTH_TIMEOUT, RETRY_INTERVAL
 from mtcfs.peer.tier import BROADCAST_TIMEOUT
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 from support import simnet
+
+# The daemon's all-to-all health checks, as they were.
+HEALTH_INTERVAL = 1.0
+RETRY_INTERVAL = 0.25
+HEALTH_TIMEOUT = 1.0
+DEAD_AFTER = 3
 
 
 @dataclass(slots=True)

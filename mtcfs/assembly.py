@@ -91,8 +91,8 @@ class Mount:
     # -- running ---------------------------------------------------------------------
 
     async def start_peers(self, nursery: trio.Nursery) -> None:
-        """Before the mount is live: listen, hear from every peer, pull their
-        snapshots (a new host sees the whole tree at once)."""
+        """Before the mount is live: listen, be heard by every peer, pull one caught-up
+        peer's snapshot (a new host sees the whole tree at once)."""
         if self.peers is not None:
             await self.peers.start(nursery)
 
@@ -283,7 +283,8 @@ def _membership(opts: MountOptions, events: Events) -> Any:
     static = [a.strip() for a in (opts.peers or "").split(",") if a.strip()]
     try:
         return Membership(opts.listen or "", opts.node_id, static, opts.peers_file,
-                          _secret(opts), _tls(opts), events)
+                          _secret(opts), _tls(opts), events,
+                          domain=opts.failure_domain or "", replicas=opts.replicas or 0)
     except (OSError, ValueError) as e:
         raise AssemblyError(f"peer tier: {e}") from None
 

@@ -172,3 +172,41 @@ def test_the_cores_messages_survive_their_protobuf_encoding() -> None:
     a = fanout.Ack("h1", 3, "h2", "h5")
     raw = wire.tree_to_pb("h2", a).SerializeToString()
     assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", a)
+
+
+def test_a_coalesced_batch_persists_what_it_applied(tmp_path) -> None:
+    """ReplicatedIndex.apply writes each inode and name once per batch, at its end
+    (MetaStore.transaction(coalesce=True)): the metadata store reopened holds the
+    same tree as the index in memory — creations, renames, replacements and removals
+    in one batch, and a snapshot applied to a fresh index in pieces."""
+    src = simnet.IndexStore("h0", str(tmp_path / "src"))
+    src.index.apply([
+        simnet.entry("d1", "root", "step_1.tmp", 1, "h0", is_dir=True),
+        *[simnet.entry(f"f{i}", "d1", f"shard-{i}", 2, "h0", size=i) for i in range(50)],
+        simnet.entry("d1", "root", "step_1", 3, "h0", is_dir=True),  # the commit rename
+        simnet.entry("f3", "d1", "moved", 4, "h1", size=3),  # a rename within
+        simnet.entry("g3", "d1", "shard-4", 5, "h1", size=44),  # replaces f4's name
+        pb.Entry(id="f7", lamport=6, writer="h1", removed=True),
+        simnet.entry("d2", "root", "empty", 7, "h0", is_dir=True),
+        pb.Entry(id="d2", lamport=8, writer="h0", removed=True),
+    ])
+    snap = src.snapshot()
+    dst = simnet.IndexStore("h9", str(tmp_path / "dst"))
+    for i in range(0, len(snap), 7):
+        dst.index.apply(snap[i:i + 7])
+    assert dst.digest() == src.digest()
+
+    def tree(store: simnet.IndexStore) -> dict[str, tuple[str, int]]:
+        ns = store.index.ns
+        return {ns.path_of(n): (n.guid, n.size) for n in ns.inodes.values()
+                if n.linked and n.guid != "root"}
+
+    for name, store in (("src", src), ("dst", dst)):
+        want = tree(store)
+        assert "step_1/moved" in want and "step_1/shard-3" not in want
+        assert want["step_1/shard-4"] == ("g3", 44) and "step_1/shard-7" not in want
+        assert "empty" not in want and "step_1.tmp" not in want
+        store.close()
+        again = simnet.IndexStore(name, str(tmp_path / name))
+        assert tree(again) == want, name
+        again.close()

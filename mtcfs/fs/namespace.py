@@ -155,7 +155,7 @@ class Namespace:
             self.inodes[ROOT] = root
             self.by_guid[ROOT_GUID] = ROOT
             with self.store.transaction():
-                self.store.put_inode(root.row())
+                self._put(root)
             return
         for r in rows.values():
             ino = Inode(
@@ -194,7 +194,7 @@ class Namespace:
         with self.store.transaction():
             for r in rows.values():
                 if not r.guid and r.ino in self.inodes:
-                    self.store.put_inode(self.inodes[r.ino].row())  # ids from before schema 3
+                    self._put(self.inodes[r.ino])  # ids from before schema 3
             for orphan in set(self.inodes) - reached:
                 self.store.delete_inode(orphan)
                 self.by_guid.pop(self.inodes.pop(orphan).guid, None)
@@ -260,14 +260,23 @@ class Namespace:
         if target is not None:
             node.size = len(target)
         self.inodes[node.ino] = node
+        if self.store.depth:  # within a transaction already (a batch from a peer)
+            self._put(node)
+            self._attach(parent, name, node)
+            self._touch_dir(parent, now)
+            return node
         with self.store.transaction():
-            self.store.put_inode(node.row())
+            self._put(node)
             self._attach(parent, name, node)
             self._touch_dir(parent, now)
         return node
 
     def persist(self, node: Inode) -> None:
-        self.store.put_inode(node.row())
+        self._put(node)
+
+    def _put(self, node: Inode) -> None:
+        """Write the node's row (in a coalescing transaction: its state at the end)."""
+        self.store.put_node(node.ino, node.row)
 
     def _attach(self, parent: Inode, name: bytes, node: Inode) -> None:
         """Add the name: the node's own if it has none, else a further (hard) link."""
@@ -321,7 +330,7 @@ class Namespace:
 
     def _touch_dir(self, d: Inode, now: int) -> None:
         d.mtime_ns = d.ctime_ns = now
-        self.store.put_inode(d.row())
+        self._put(d)
 
     def unlink(self, parent: Inode, name: bytes) -> Inode:
         """Remove the entry; the caller drops the inode when nothing uses it."""
@@ -365,16 +374,16 @@ class Namespace:
                     old_parent.subdirs += 1
                 self.store.put_dentry(old_parent.ino, old_name, other.ino, alias)
                 other.ctime_ns = now
-                self.store.put_inode(other.row())
+                self._put(other)
             else:
                 if new_name in new_parent.children:
                     replaced = self._detach(new_parent, new_name)
                     replaced.ctime_ns = now
                     if replaced.linked:
-                        self.store.put_inode(replaced.row())
+                        self._put(replaced)
                 self._move(old_parent, old_name, new_parent, new_name, node)
             node.ctime_ns = now
-            self.store.put_inode(node.row())
+            self._put(node)
             self._touch_dir(old_parent, now)
             if new_parent is not old_parent:
                 self._touch_dir(new_parent, now)
@@ -386,7 +395,7 @@ class Namespace:
         with self.store.transaction():
             self._attach(parent, name, node)
             node.ctime_ns = now
-            self.store.put_inode(node.row())
+            self._put(node)
             self._touch_dir(parent, now)
 
     def replace_inode(self, old: Inode, global_id: str) -> tuple[Inode, list[tuple[Inode, bytes]]]:
@@ -415,14 +424,14 @@ class Namespace:
         node.ctime_ns = time.time_ns()
         with self.store.transaction():
             self.store.put_xattr(node.ino, name, value)
-            self.store.put_inode(node.row())
+            self._put(node)
 
     def remove_xattr(self, node: Inode, name: bytes) -> None:
         del node.xattrs[name]
         node.ctime_ns = time.time_ns()
         with self.store.transaction():
             self.store.delete_xattr(node.ino, name)
-            self.store.put_inode(node.row())
+            self._put(node)
 
 
 def new_guid() -> str:

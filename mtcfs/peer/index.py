@@ -217,7 +217,8 @@ class ReplicatedIndex:
         applied = 0
         self.touched = []
         self.disowned = []
-        with self.ns.store.transaction():
+        # Coalesced: each inode and name written once per batch, in a few statements.
+        with self.ns.store.transaction(coalesce=True):
             for e in entries:
                 self.clock = max(self.clock, e.lamport)
                 if self._apply_one(e):
@@ -314,6 +315,7 @@ class ReplicatedIndex:
                                  rdev=e.rdev, global_id=e.id)
         self._set_attrs(node, e)
         if node.is_file:
+            node.has_data = False  # new here: no data of it to forget
             self._set_content(node, e)
         self._sync_links(node, e)
         self.ns.persist(node)

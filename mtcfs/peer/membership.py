@@ -1,15 +1,26 @@
-"""Who the peers are and whether they are alive.
+"""Who the peers are and whether they are alive: SWIM (mtcfs.peer.swim) over
+authenticated datagrams (mtcfs.peer.gossip).
 
-Addresses come from --peers and --peers-file (re-read when it changes). Each
-peer is health-checked every second; three failed checks in a row (or a
-failed call) mark it dead, so a dead peer is noticed within ~3 s and skipped.
-A peer seen alive again is caught up: this node pulls its snapshot.
+Addresses come from --peers and --peers-file (re-read when it changes); they are
+the SWIM member ids. Each host probes one member per period (and its replica
+partners more often), asks others to probe a member that did not answer,
+suspects it, and declares it dead if it does not refute in time; the news
+travels piggybacked on the probes. So the cost per host does not grow with the
+number of hosts. A host's node id, failure domain and data port travel in its
+datagrams and in the member updates about it.
+
+A peer is `alive` once heard of (directly, or from a member update at the
+incarnation it started with) and while SWIM holds it alive or suspect; `known_dead`
+once SWIM declared it dead; neither while it has not been heard of yet (commits
+wait for such a peer until it is found dead).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,43 +28,85 @@ from typing import Protocol
 import grpc
 import trio
 
-from mtcfs.peer import security
+from mtcfs.peer import placement, security, swim
 from mtcfs.peer.addresses import AddressError, read_peers_file
+from mtcfs.peer.gossip import Codec, Endpoint
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-HEALTH_INTERVAL = 1.0
-RETRY_INTERVAL = 0.25  # peers not (yet) alive are checked this often: joins are seen fast
-HEALTH_TIMEOUT = 1.0
-DEAD_AFTER = 3  # failed checks in a row
 # A host down this long is gone for good: longer than a frozen daemon, a cut link or a
 # daemon restarting over its RAM dir stays away (withdrawal, commit-marker uploads).
 GONE_AFTER = 15.0
+FILE_CHECK = 0.25  # how often the peers file's mtime is looked at
+# This host's own pings to a peer unanswered in a row before it counts as unreachable
+# from here (reads skip it as a holder), whatever the others say: a one-way partition.
+MISSED_DIRECT = 3
+RECHECK = 1.0  # an unreachable peer is pinged again this often (up to RECHECK_MAX a round)
+RECHECK_MAX = 8
+
+# The daemon's SWIM timing: a host loaded by other work (FUSE, replication, tests on two
+# cores) may answer a probe late; a suspicion is refuted, a death is not.
+DAEMON_SWIM = swim.SwimConfig(period=0.5, partner_period=0.25, ack_timeout=0.3,
+                              suspicion_mult=4.0)
+
+
+class _Channel:
+    """A peer's gRPC channel and stub, opened on first use (a host of a large job
+    talks to few of the others)."""
+
+    def __init__(self, addr: str, tls: tuple[bytes, bytes, bytes | None] | None) -> None:
+        self.addr = addr
+        self.tls = tls
+        self.channel: grpc.Channel | None = None
+        self.stub: pb_grpc.PeerStub | None = None
+        self._lock = threading.Lock()  # opened from the trio thread or a worker thread
+
+    def open(self) -> pb_grpc.PeerStub:
+        with self._lock:
+            if self.stub is None:
+                self.channel = security.open_channel(self.addr, self.tls)
+                self.stub = pb_grpc.PeerStub(self.channel)
+            return self.stub
+
+    def close(self) -> None:
+        with self._lock:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel, self.stub = None, None
 
 
 @dataclass(eq=False)
 class Peer:
     addr: str
-    channel: grpc.Channel
-    stub: pb_grpc.PeerStub
+    conn: _Channel
     node_id: str = ""
     domain: str = ""
     alive: bool = False
-    failures: int = 0
+    dead: bool = False  # SWIM declared it dead
+    heard: bool = False  # heard of at an incarnation it announced
+    ready: bool = False  # caught up when last heard of: its snapshot is whole
     last_ok: float = 0.0
     ram_free: int = 0
     data_port: int = 0  # its bulk data channel (mtcfs.peer.bulk); 0: gRPC only
     busy: int = 0  # transfers in flight to or from it
     removed: bool = False
-    checking: bool = False
-    next_check: float = 0.0
+    missed: int = 0  # this host's direct pings to it unanswered in a row
+    unreachable: bool = False  # MISSED_DIRECT of them: reads do not ask it
+
+    @property
+    def stub(self) -> pb_grpc.PeerStub:
+        return self.conn.open()
+
+    @property
+    def channel(self) -> grpc.Channel | None:
+        return self.conn.channel
 
     @property
     def known_dead(self) -> bool:
-        """Not alive and failed enough checks in a row: commits stop waiting for it."""
-        return not self.alive and self.failures >= DEAD_AFTER
+        """Declared dead: commits stop waiting for it."""
+        return self.dead
 
     def describe(self) -> dict[str, object]:
         return {
@@ -65,6 +118,7 @@ class Peer:
             "ram_free": self.ram_free,
             "transfers": self.busy,
             "data_port": self.data_port or None,
+            "unreachable_from_here": self.unreachable,
         }
 
 
@@ -89,22 +143,51 @@ class _Unheard:
         pass
 
 
+@dataclass
+class Self:
+    """What this host says of itself in every datagram (the peer tier fills in its
+    data port, free RAM and readiness once it knows them)."""
+
+    node_id: str
+    domain: str = ""
+    data_port: int = 0
+    ram_free: int = 0
+    ready: bool = False
+    replicas: int = 0  # K: its replica partners are probed more often
+
+
 class Membership:
     def __init__(self, me: str, node_id: str, static: list[str], peers_file: str | None,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
-                 events: MembershipEvents | None = None) -> None:
+                 events: MembershipEvents | None = None, *, domain: str = "",
+                 replicas: int = 0, config: swim.SwimConfig = DAEMON_SWIM,
+                 rng: random.Random | None = None) -> None:
         self.me = me
         self.node_id = node_id
         self.static = static
         self.peers_file = peers_file
         self.metadata = security.call_metadata(secret)
+        self.secret = secret
         self.tls = tls
         self.events = events or _Unheard()
+        self.local = Self(node_id, domain, replicas=replicas)
         self.peers: dict[str, Peer] = {}
         self._file_mtime = 0.0
-        self._limiter = trio.CapacityLimiter(64)
-        self._nursery: trio.Nursery | None = None
         self._started = time.time()
+        self._rng = rng or random.Random()
+        # The incarnation starts at the start time (ms): a restarted host's overrides
+        # what the others hold of its previous life, dead or alive.
+        self.swim = swim.Swim(me, [], self, self._rng, config, partners=self._partners,
+                              now=time.monotonic(), incarnation=time.time_ns() // 10**6)
+        self.codec = Codec(me, secret)
+        self.endpoint: Endpoint | None = None
+        self._ring: tuple[int, list[str], dict[str, str]] | None = None
+        self._ring_version = 0
+        self._changed = trio.Event()
+        self._hellos: dict[int, str] = {}  # seq of a hello -> the peer it went to
+        self.answered: set[str] = set()  # peers that answered a hello: they know us
+        self._pings: dict[int, tuple[str, float]] = {}  # our pings: seq -> (peer, sent)
+        self._recheck_at = 0.0
         self.sync_addresses()
 
     # -- addresses -------------------------------------------------------------------
@@ -123,19 +206,23 @@ class Membership:
         want = self.addresses()
         for addr in want:
             if addr not in self.peers:
-                self.peers[addr] = self._connect(addr)
+                self.peers[addr] = Peer(addr, _Channel(addr, self.tls))
+                self.swim.add(addr)
                 log.info("peer %s added", addr)
+                if self.endpoint is not None:
+                    self.hello(addr)
         for addr in list(self.peers):
             if addr not in want:
                 p = self.peers.pop(addr)
                 p.removed = True
-                p.channel.close()
+                p.conn.close()
+                self.swim.remove(addr)
+                self.codec.forget(addr)
+                if self.endpoint is not None:
+                    self.endpoint.forget(addr)
                 log.info("peer %s removed", addr)
+                self._ring_version += 1
                 self.events.peers_changed()
-
-    def _connect(self, addr: str) -> Peer:
-        channel = security.open_channel(addr, self.tls)
-        return Peer(addr, channel, pb_grpc.PeerStub(channel))
 
     def live(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.alive]
@@ -153,7 +240,7 @@ class Membership:
     def down_for(self, node_id: str) -> float:
         """Seconds since `node_id` was last seen alive by this daemon (0 while it is).
         A node not seen since this daemon started counts from the start, and not at
-        all while a configured peer has not answered yet (it may be that node)."""
+        all while a configured peer has not been heard of yet (it may be that node)."""
         seen = [p for p in self.peers.values() if p.node_id == node_id]
         if any(p.alive for p in seen):
             return 0.0
@@ -177,82 +264,218 @@ class Membership:
                 return p
         return None
 
-    # -- health ----------------------------------------------------------------------
+    def unresolved(self) -> list[Peer]:
+        """Configured peers neither alive nor known dead (e.g. not heard of yet)."""
+        return [p for p in self.peers.values() if not p.alive and not p.known_dead]
 
-    async def check(self, p: Peer, wait: bool = False) -> bool:
-        """One health check (none if one is running). wait: also while the channel is
-        in reconnect backoff (up to the timeout)."""
-        if p.checking:
-            return p.alive
-        p.checking = True
-        try:
-            return await self._check(p, wait)
-        finally:
-            p.checking = False
-            healthy = p.alive and not p.failures
-            p.next_check = time.monotonic() + (HEALTH_INTERVAL if healthy else RETRY_INTERVAL)
+    # -- SWIM's listener ---------------------------------------------------------------
 
-    async def _check(self, p: Peer, wait: bool) -> bool:
-        try:
-            reply = await trio.to_thread.run_sync(
-                lambda: p.stub.Health(pb.HealthRequest(from_node=self.node_id, listen=self.me),
-                                      timeout=HEALTH_TIMEOUT,
-                                      metadata=self.metadata, wait_for_ready=wait),
-                limiter=self._limiter)
-        except grpc.RpcError as e:
-            self.failed(p, f"health check: {e.code().name}: {e.details()}")
-            return False
-        if p.removed:
-            return False
-        if reply.node_id == self.node_id:
-            log.error("peer %s answers with our own node id %s: ignoring it", p.addr,
-                      self.node_id)
-            self.failed(p, "same node id", dead_now=True)
-            return False
-        p.node_id, p.domain, p.ram_free = reply.node_id, reply.failure_domain, reply.ram_free
-        p.data_port = reply.data_port
-        self._alive(p)
-        return True
+    def member_alive(self, node: str) -> None:
+        self._refresh(node)
 
-    def _alive(self, p: Peer) -> None:
-        p.failures, p.last_ok = 0, time.time()
-        if not p.alive:
-            p.alive = True
+    def member_dead(self, node: str) -> None:
+        self._refresh(node)
+
+    def declared_dead(self) -> None:
+        log.warning("the other hosts declared this host dead (cut off, or too slow): "
+                    "refuted, incarnation %d", self.swim.incarnation)
+
+    def _refresh(self, addr: str) -> None:
+        """Bring a peer's liveness in line with SWIM's view; tell what changed."""
+        p = self.peers.get(addr)
+        if p is None:
+            return
+        state = self.swim.state_of(addr)
+        dead = state == swim.DEAD
+        alive = p.heard and not dead and bool(p.node_id)
+        was_alive, was_dead = p.alive, p.dead
+        if alive:
+            p.last_ok = time.time()
+        if alive == was_alive and dead == was_dead:
+            return
+        p.alive, p.dead = alive, dead
+        if dead:
+            p.ready = False  # back, it is ready once it says so itself
+        self._ring_version += 1
+        if alive and not was_alive:
             log.info("peer %s (%s) is alive", p.addr, p.node_id)
             self.events.peer_alive(p)
-            self.events.peers_changed()
+        elif was_alive and not alive:
+            log.warning("peer %s (%s) is dead", p.addr, p.node_id or "?")
+            self.events.peer_dead(p)
+        elif dead:
+            log.info("peer %s has not been heard of: treated as dead until it is", p.addr)
+        self.events.peers_changed()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _partners(self) -> list[str]:
+        """This host's replica partners (its K successors and predecessors on the
+        placement ring of the hosts alive), as addresses: probed most often."""
+        k = self.local.replicas
+        if k < 1:
+            return []
+        if self._ring is None or self._ring[0] != self._ring_version:
+            live = {p.node_id: p for p in self.peers.values() if p.alive}
+            order = placement.ring([(self.node_id, self.local.domain),
+                                    *((n, p.domain) for n, p in live.items())])
+            addrs = {n: p.addr for n, p in live.items()}
+            self._ring = (self._ring_version, order, addrs)
+        _, order, addrs = self._ring
+        near = placement.partners(order, self.node_id, k, lambda n: n in addrs)
+        return [addrs[n] for n in near]
+
+    # -- datagrams ---------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Bind the datagram socket (before the peer tier waits for its peers)."""
+        if self.endpoint is None:
+            try:
+                self.endpoint = Endpoint(self.me)
+            except OSError as e:
+                raise OSError(e.errno, f"membership datagrams: cannot bind UDP {self.me}: "
+                                       f"{e.strerror}") from None
+
+    def _send(self, out: swim.Out) -> None:
+        if self.endpoint is None:
+            return
+        for dst, msg in out:
+            if msg.kind == swim.PING and dst in self.peers:
+                self._pings[msg.seq] = (dst, time.monotonic())
+            m = pb.GossipMessage(
+                from_node=self.me, kind=msg.kind, seq=msg.seq, incarnation=msg.incarnation,
+                target=msg.target, node_id=self.local.node_id,
+                failure_domain=self.local.domain, data_port=self.local.data_port,
+                ram_free=self.local.ram_free, ready=self.local.ready)
+            for u in msg.updates:
+                up = m.updates.add(node=u.node, state=u.state, incarnation=u.incarnation)
+                p = self.peers.get(u.node)
+                if p is not None:
+                    up.node_id, up.failure_domain, up.data_port = p.node_id, p.domain, p.data_port
+                elif u.node == self.me:
+                    up.node_id, up.failure_domain = self.local.node_id, self.local.domain
+                    up.data_port = self.local.data_port
+            data = self.codec.seal(m, dst)
+            if len(data) > 60_000 and len(m.updates) > 1:
+                # A member list too long for one datagram (thousands of hosts): in halves.
+                half = len(msg.updates) // 2
+                for part in (msg.updates[:half], msg.updates[half:]):
+                    self._send([(dst, swim.Message(msg.kind, msg.seq, msg.incarnation,
+                                                   msg.target, part))])
+                continue
+            self.endpoint.send(dst, data)
+
+    def receive(self, data: bytes, now: float) -> None:
+        m = self.codec.open(data)
+        if m is None:
+            return
+        src = m.from_node
+        p = self.peers.get(src)
+        if p is None or p.removed:
+            # Not a host of ours (we were not given its address), but one of the job (it
+            # has the token): answer its pings, so that it counts us alive; nothing more.
+            if m.kind == swim.PING:
+                self._send([(src, swim.Message(swim.ACK, seq=m.seq,
+                                               incarnation=self.swim.incarnation,
+                                               target=self.me))])
+            return
+        if m.node_id == self.node_id:
+            log.error("peer %s speaks with our own node id %s: ignoring it", src, self.node_id)
+            return
+        try:
+            security.check_node_id(m.node_id, "node id")
+        except security.BadRequest:
+            return
+        p.node_id, p.domain, p.data_port = m.node_id, m.failure_domain, m.data_port
+        p.ram_free, p.ready = m.ram_free, m.ready
+        if m.kind == swim.ACK:
+            if self._hellos.get(m.seq) == src:
+                del self._hellos[m.seq]
+                self.answered.add(src)
+            ping = self._pings.get(m.seq)
+            if ping is not None and ping[0] == src:
+                del self._pings[m.seq]
+                p.missed = 0
+                if p.unreachable:
+                    p.unreachable = False
+                    log.info("peer %s (%s) answers this host again", src, p.node_id)
+        updates = []
+        metas = []
+        for u in m.updates:
+            if u.node != self.me and u.node not in self.peers:
+                continue
+            updates.append(swim.Update(u.node, u.state, u.incarnation))
+            metas.append(u)
+        msg = swim.Message(m.kind, m.seq, m.incarnation, m.target, tuple(updates))
+        self._send(self.swim.on_message(src, msg, now))
+        # Heard of directly, at the incarnation it sent.
+        if self.swim.members.get(src) is not None and \
+                self.swim.members[src].incarnation == m.incarnation:
+            p.heard = True
+        self._refresh(src)
+        for u in metas:
+            q = self.peers.get(u.node)
+            if q is None or q is p:
+                continue
+            held = self.swim.members.get(u.node)
+            if held is None or held.incarnation != u.incarnation or u.state == swim.DEAD:
+                self._refresh(u.node)
+                continue
+            if u.node_id and u.incarnation > 0:
+                try:
+                    security.check_node_id(u.node_id, "node id")
+                except security.BadRequest:
+                    continue
+                if u.node_id == self.node_id:
+                    continue
+                q.node_id, q.domain, q.data_port = u.node_id, u.failure_domain, u.data_port
+                if not q.alive:
+                    q.ready = False  # not known until it speaks to us
+                q.heard = True
+            self._refresh(u.node)
+
+    # -- what the peer tier asks -------------------------------------------------------
+
+    def hello_all(self, only_unheard: bool = True) -> None:
+        """Ping the peers not heard of (or all): each answers with its incarnation and
+        description. Once, at start or when a holder is not known yet: O(N) datagrams."""
+        for p in list(self.peers.values()):
+            if not only_unheard or not p.alive:
+                self.hello(p.addr)
+
+    def hello(self, addr: str) -> None:
+        """A ping (no probe) whose answer says `addr` knows this host now."""
+        out = self.swim.hello(addr)
+        if len(self._hellos) > 4 * len(self.peers) + 64:
+            self._hellos.clear()
+        self._hellos[out[0][1].seq] = addr
+        self._send(out)
+
+    def join(self, seed: Peer) -> None:
+        """Ask one live host for its member list (adopted as it is)."""
+        self._send(self.swim.join(seed.addr))
+
+    async def changed(self, timeout: float) -> None:
+        """Wait until a peer's liveness changes, or `timeout`."""
+        with trio.move_on_after(timeout):
+            await self._changed.wait()
+
+    async def check_all(self, wait: bool = False) -> None:
+        """Ask every peer not alive to answer now; wait a moment for the answers."""
+        self.hello_all()
+        if self.unresolved() or wait:
+            await self.changed(0.5)
 
     def mark_alive(self, addr: str, node_id: str) -> None:
-        """A peer at `addr` is pulling our snapshot: it is up, and from this moment
-        every commit here waits for it (what it pulls misses nothing committed later)."""
-        p = self.peers.get(addr)
-        if p is None or p.removed or (p.node_id and p.node_id != node_id):
-            return
-        if node_id == self.node_id:
-            return
-        p.node_id = node_id
-        self._alive(p)
-        if not p.data_port and self._nursery is not None:
-            # Alive without a health reply: its data channel's port is not known yet.
-            p.next_check = 0.0
-            self._nursery.start_soon(self.check, p)
+        """A peer at `addr` is pulling our snapshot: it is up. Ask it to say so (its
+        answer carries its incarnation)."""
+        self.poke(addr)
 
     def failed(self, p: Peer, why: str, dead_now: bool = False) -> None:
-        was_dead = p.known_dead
-        p.failures = DEAD_AFTER if dead_now else p.failures + 1
-        if p.alive and p.failures >= DEAD_AFTER:
-            p.alive = False
-            log.warning("peer %s (%s) is dead: %s", p.addr, p.node_id or "?", why)
-            self.events.peer_dead(p)
-            self.events.peers_changed()
-        elif p.known_dead and not was_dead:
-            log.info("peer %s has not answered %d checks: treated as dead until it does (%s)",
-                     p.addr, DEAD_AFTER, why)
-            self.events.peers_changed()
-
-    def unresolved(self) -> list[Peer]:
-        """Configured peers neither alive nor known dead (e.g. not yet reached)."""
-        return [p for p in self.peers.values() if not p.alive and not p.known_dead]
+        """A call to `p` failed: probe it now (SWIM decides whether it is dead)."""
+        log.debug("peer %s: %s: probing it", p.addr, why)
+        if p.addr in self.peers:
+            self._send(self.swim.probe(p.addr, time.monotonic()))
 
     def needs_poke(self, addr: str) -> bool:
         """Called from a gRPC thread: only a peer we think is down needs the trio thread."""
@@ -260,32 +483,52 @@ class Membership:
         return p is not None and not p.alive
 
     def poke(self, addr: str) -> None:
-        """A peer at `addr` just called us: check it now if we think it is down."""
+        """A peer at `addr` just called us: ping it if we think it is down."""
         p = self.peers.get(addr)
         if p is not None and not p.alive:
-            p.next_check = 0.0
-            if self._nursery is not None:
-                self._nursery.start_soon(self.check, p)
+            self.hello(addr)
 
     async def run(self) -> None:
+        self.open()
+        assert self.endpoint is not None
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self._loop()
+            nursery.start_soon(self._receive_loop)
+            next_file = 0.0
+            while True:
+                now = time.monotonic()
+                if now >= next_file:
+                    next_file = now + FILE_CHECK
+                    self._watch_file()
+                self._send(self.swim.tick(now))
+                self._direct(now)
+                await trio.sleep(swim.TICK)
 
-    async def _loop(self) -> None:
-        assert self._nursery is not None
+    def _direct(self, now: float) -> None:
+        """Count this host's pings that went unanswered; ping unreachable peers again."""
+        late = now - self.swim.config.period
+        for seq, (addr, sent) in list(self._pings.items()):
+            if sent >= late:
+                continue
+            del self._pings[seq]
+            p = self.peers.get(addr)
+            if p is None:
+                continue
+            p.missed += 1
+            if p.missed >= MISSED_DIRECT and not p.unreachable and not p.dead:
+                p.unreachable = True
+                log.warning("peer %s (%s) does not answer this host's pings: not asked for "
+                            "data until it does", addr, p.node_id or "?")
+        if now >= self._recheck_at:
+            self._recheck_at = now + RECHECK
+            cut = [p for p in self.peers.values() if p.unreachable and not p.dead]
+            for p in self._rng.sample(cut, min(RECHECK_MAX, len(cut))):
+                self._send(self.swim.hello(p.addr))
+
+    async def _receive_loop(self) -> None:
+        assert self.endpoint is not None
         while True:
-            self._watch_file()
-            now = time.monotonic()
-            for p in list(self.peers.values()):
-                if now >= p.next_check and not p.checking:
-                    self._nursery.start_soon(self.check, p)
-            await trio.sleep(RETRY_INTERVAL)
-
-    async def check_all(self, wait: bool = False) -> None:
-        async with trio.open_nursery() as nursery:
-            for p in list(self.peers.values()):
-                nursery.start_soon(self.check, p, wait)
+            for data in await self.endpoint.receive():
+                self.receive(data, time.monotonic())
 
     def _watch_file(self) -> None:
         if not self.peers_file:
@@ -298,6 +541,19 @@ class Membership:
             self._file_mtime = mtime
             self.sync_addresses()
 
+    def status(self) -> dict[str, object]:
+        out: dict[str, object] = {"swim": self.swim.status()}
+        if self.endpoint is not None:
+            e = self.endpoint
+            out["datagrams"] = {"sent": e.sent, "received": e.received,
+                                "bytes_sent": e.bytes_sent, "bytes_received": e.bytes_received,
+                                "send_errors": e.send_errors,
+                                "dropped": vars(self.codec.dropped)}
+        return out
+
     def close(self) -> None:
         for p in self.peers.values():
-            p.channel.close()
+            p.conn.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+

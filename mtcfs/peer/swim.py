@@ -141,12 +141,15 @@ Out = list[tuple[str, Message]]
 class Swim:
     def __init__(self, me: str, members: Iterable[str], listener: SwimListener,
                  rng: random.Random, config: SwimConfig | None = None,
-                 partners: Callable[[], Iterable[str]] = tuple, now: float = 0.0) -> None:
+                 partners: Callable[[], Iterable[str]] = tuple, now: float = 0.0,
+                 incarnation: int = 0) -> None:
         """`members`: the job's other hosts as configured, taken to be alive at the start
         (a host that is not gets suspected within a period or two). `partners`: this
-        host's replica partners, asked again each time they are probed."""
+        host's replica partners, asked again each time they are probed. `incarnation`:
+        where this host's starts (the daemon starts at its start time in ms, so that a
+        restarted host overrides what others hold of its previous life at once)."""
         self.me = me
-        self.incarnation = 0
+        self.incarnation = incarnation
         self.config = config or SwimConfig()
         self.listener = listener
         self.rng = rng
@@ -163,6 +166,7 @@ class Swim:
         self._relays: dict[int, _Relay] = {}
         self._news: dict[str, list] = {}  # node -> [update, times sent]
         self._resync = False  # declared dead: take the next live host's member list
+        self._joining = False  # join() sent: take the seed's member list as it is
         self._resync_asked = -1e9
         self._partner_turn = 0
         self._next_probe = now + rng.random() * self.config.period
@@ -196,9 +200,41 @@ class Swim:
     # -- joining ---------------------------------------------------------------------
 
     def join(self, seed: str) -> Out:
-        """A starting host: ask one live host for the member list."""
+        """A starting host: ask one live host for the member list (adopted as it is,
+        not spread again as news)."""
+        self._joining = True
         return [self._send(seed, Message(SYNC, incarnation=self.incarnation,
                                          updates=(Update(self.me, ALIVE, self.incarnation),)))]
+
+    def add(self, node: str) -> None:
+        """A host added to the job's configuration: taken to be alive, probed as any."""
+        if node != self.me and node not in self.members:
+            self.members[node] = _Member(ALIVE, 0)
+            bisect.insort(self._live, node)
+
+    def remove(self, node: str) -> None:
+        """A host no longer in the job's configuration: forgotten."""
+        m = self.members.pop(node, None)
+        if m is None:
+            return
+        if m.state != DEAD:
+            self._live.pop(bisect.bisect_left(self._live, node))
+        self._dead.discard(node)
+        self._suspects.discard(node)
+        self._news.pop(node, None)
+        for seq in [s for s, p in self._probes.items() if p.target == node]:
+            del self._probes[seq]
+
+    def probe(self, node: str, now: float) -> Out:
+        """Probe `node` now (a call to it failed), unless a probe of it is under way."""
+        if self.state_of(node) != ALIVE or any(p.target == node for p in self._probes.values()):
+            return []
+        return [self._ping(node, now, self.config.period)]
+
+    def hello(self, node: str) -> Out:
+        """A plain ping (no probe: no suspicion follows): the receiver learns this host
+        at its incarnation and answers with an ACK carrying its own."""
+        return [self._send(node, Message(PING, seq=self._next_seq()))]
 
     # -- time ------------------------------------------------------------------------
 
@@ -283,7 +319,8 @@ class Swim:
         trusted = self.state_of(src) != DEAD
         # The sender is alive at its incarnation (this is how a joining host is learnt).
         self._learn(Update(src, ALIVE, msg.incarnation), now)
-        if msg.kind == SYNC_REPLY and self._resync:
+        if msg.kind == SYNC_REPLY and (self._resync or self._joining):
+            self._joining = False
             self._adopt(msg.updates, now)
             return []
         for u in msg.updates:

@@ -186,10 +186,11 @@ class PeerTier(Listener):
     # -- start-up --------------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Listen, wait until every configured peer answered or was found dead (bounded
-        by the commit timeout), and pull the live ones' snapshots: before the mount is
-        announced live, so a new host sees the whole tree at once and its first commit
-        waits for every peer that is up."""
+        """Listen, make every configured peer hear of this host (each answers: from then
+        on it counts this host for its commits), learn the others' view from one of
+        them, and pull ONE live, caught-up host's snapshot (bounded by the commit
+        timeout): before the mount is announced live, so a new host sees the whole tree
+        at once, and what is committed after the snapshot reaches it by broadcast."""
         self._nursery = nursery
         self.server, self.port = start_server(self, self.listen,
                                               trio.lowlevel.current_trio_token(),
@@ -197,27 +198,62 @@ class PeerTier(Listener):
         if self._make_bulk_server is not None:
             self.bulk_server = self._make_bulk_server(self, trio.lowlevel.current_trio_token())
             self.data_port = self.bulk_server.start()
-        await self.members.check_all()
-        with trio.move_on_after(self.commit_timeout):
-            while self.members.unresolved():
-                await trio.sleep(0.1)
-                async with trio.open_nursery() as n:
-                    for p in self.members.unresolved():
-                        n.start_soon(self.members.check, p)
-        for p in self.members.unresolved():
-            log.warning("peer %s has not answered within %.0f s of starting: going live without "
-                        "its snapshot; commits wait for it until it answers or is found dead",
-                        p.addr, self.commit_timeout)
-        async with trio.open_nursery() as n:
-            for p in self.members.live():
-                n.start_soon(self.catch_up, p)
+        me = self.members.local
+        me.data_port = self.data_port
+        me.ram_free = max(0, self.ram.capacity - self.ram.used)
+        me.ready = False
+        self.members.open()
+        nursery.start_soon(self.members.run)
+        await self._join()
+        me.ready = True
         self._started = True
         self._requeue_unreplicated()
-        nursery.start_soon(self.members.run)
         nursery.start_soon(self._share_write_clock)
         nursery.start_soon(self.broadcaster.run)
         for _ in range(REPLICATION_WORKERS):
             nursery.start_soon(self._replication_worker)
+
+    async def _join(self) -> None:
+        members = self.members
+        synced = False
+        next_hello = 0.0
+        with trio.move_on_after(self.commit_timeout):
+            while True:
+                now = trio.current_time()
+                if now >= next_hello:
+                    next_hello = now + 0.5
+                    for p in members.peers.values():
+                        if p.addr not in members.answered and not p.known_dead:
+                            members.hello(p.addr)
+                answered = [p for p in members.live() if p.addr in members.answered]
+                if answered and not synced:
+                    # One host's view of the others (which are dead, which are alive).
+                    members.join(random.choice(answered))
+                    synced = True
+                if all(p.addr in members.answered or p.known_dead
+                       for p in members.peers.values()):
+                    break
+                await members.changed(0.1)
+        missing = [p for p in members.peers.values()
+                   if p.addr not in members.answered and not p.known_dead]
+        for p in missing:
+            log.warning("peer %s has not answered within %.0f s of starting: going live "
+                        "without it; commits wait for it until it answers or is found dead",
+                        p.addr, self.commit_timeout)
+        answered = [p for p in members.live() if p.addr in members.answered]
+        ready = [p for p in answered if p.ready]
+        # Every live host has every committed change (the commit rule): one caught-up
+        # host's snapshot is enough (another's if that pull fails). None caught up yet
+        # (the whole job is starting): each one's own.
+        if ready:
+            random.shuffle(ready)
+            for p in ready:  # the next one if a pull fails
+                if await self.catch_up(p):
+                    break
+            return
+        async with trio.open_nursery() as n:
+            for p in answered:
+                n.start_soon(self.catch_up, p)
 
     def stop(self) -> None:
         if self._mover is not None:
@@ -233,8 +269,9 @@ class PeerTier(Listener):
     # -- membership (Listener) --------------------------------------------------------
 
     def peer_alive(self, peer: Peer) -> None:
-        if self._started and self._nursery is not None:
-            # Back after a restart or a partition: merge what it has that we missed.
+        if self._started and self._nursery is not None and peer.ready:
+            # Back after a partition: merge what it has that we missed. (A host that is
+            # starting is not ready yet: it takes our changes, it has none of its own.)
             self._catching_up.add(peer.addr)
             self._nursery.start_soon(self.catch_up, peer)
         self._requeue_unreplicated()
@@ -250,45 +287,67 @@ class PeerTier(Listener):
         host cut off for a moment wrote meanwhile is known here (commit markers wait)."""
         return not self._catching_up and self.members.all_accounted()
 
-    async def catch_up(self, p: Peer) -> None:
+    async def catch_up(self, p: Peer) -> bool:
         try:
-            await self._catch_up(p)
+            return await self._catch_up(p)
         finally:
             if p.addr in self._catching_up:
                 self._catching_up.discard(p.addr)
                 self.events.peers_changed()  # a commit marker held for it may go
 
-    async def _catch_up(self, p: Peer) -> None:
-        def pull() -> tuple[list[pb.Entry], int]:
-            call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id,
-                                                      listen=self.listen),
-                                   timeout=SNAPSHOT_TIMEOUT, metadata=self.members.metadata,
-                                   wait_for_ready=True)
-            good, bad = [], 0
-            for batch in call:
-                for e in batch.entries:
-                    try:
-                        check_entry(e)
-                        good.append(e)
-                    except BadRequest:
-                        bad += 1
-            return good, bad
+    async def _catch_up(self, p: Peer) -> bool:
+        """Pull `p`'s snapshot, applying its pieces as they arrive (the source serves
+        the next while this host applies one). False: the pull failed (what arrived
+        is applied: every entry is a state merged by its stamp, any subset is sound)."""
+        send, recv = trio.open_memory_channel[list[pb.Entry]](4)
+        token = trio.lowlevel.current_trio_token()
+        bad = [0]
+        failed: list[str] = []
 
-        try:
-            entries, bad = await trio.to_thread.run_sync(pull, limiter=self._limiter)
-        except grpc.RpcError as e:
-            self._error(f"snapshot from {p.addr}: {e.code().name}: {e.details()}")
-            return
-        if bad:
-            self._error(f"snapshot from {p.addr}: {bad} malformed entries ignored")
-        applied = 0
-        # In slices, so that FUSE requests are served between them.
-        for i in range(0, len(entries), MAX_BATCH):
-            applied += self._apply(entries[i:i + MAX_BATCH])
-            await trio.sleep(0)
+        def pull() -> None:
+            try:
+                call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id,
+                                                          listen=self.listen),
+                                       timeout=SNAPSHOT_TIMEOUT,
+                                       metadata=self.members.metadata, wait_for_ready=True)
+                for batch in call:
+                    good = []
+                    for e in batch.entries:
+                        try:
+                            check_entry(e)
+                            good.append(e)
+                        except BadRequest:
+                            bad[0] += 1
+                    trio.from_thread.run(send.send, good, trio_token=token)
+            finally:
+                trio.from_thread.run_sync(send.close, trio_token=token)
+
+        async def run_pull() -> None:
+            try:
+                await trio.to_thread.run_sync(pull, limiter=self._limiter)
+            except grpc.RpcError as e:
+                failed.append(f"{e.code().name}: {e.details()}")
+            except trio.BrokenResourceError:
+                failed.append("abandoned")
+
+        entries = applied = 0
+        async with trio.open_nursery() as n, recv:
+            n.start_soon(run_pull)
+            async for piece in recv:
+                entries += len(piece)
+                # In slices, so that FUSE requests are served between them.
+                for i in range(0, len(piece), MAX_BATCH):
+                    applied += self._apply(piece[i:i + MAX_BATCH])
+                    await trio.sleep(0)
+        if bad[0]:
+            self._error(f"snapshot from {p.addr}: {bad[0]} malformed entries ignored")
+        if failed:
+            self._error(f"snapshot from {p.addr}: {failed[0]} ({entries} entries applied)")
+            return False
         self.stats.snapshots_pulled += 1
         log.info("caught up with %s (%s): %d entries, %d applied", p.addr, p.node_id,
-                 len(entries), applied)
+                 entries, applied)
+        return True
 
     # -- this host's changes (Listener) ----------------------------------------------
 
@@ -584,6 +643,7 @@ class PeerTier(Listener):
     async def _share_write_clock(self) -> None:
         while True:
             self._shared_last_write.value = self.clock.last_write()
+            self.members.local.ram_free = max(0, self.ram.capacity - self.ram.used)
             await trio.sleep(mover.PAUSE)
 
     async def _watched(self, fn: Callable[[], Any], prog: _Progress) -> Any:
@@ -783,9 +843,11 @@ class PeerTier(Listener):
     # -- fetching from holders -------------------------------------------------------
 
     def holders_of(self, node: Inode) -> list[Peer]:
-        """Live peers holding this version: the least busy first."""
+        """Live peers holding this version that this host can reach (a host alive for
+        the others but not answering this one's pings is not asked): the least busy
+        first."""
         peers = [p for h in node.holders if h != self.node_id
-                 for p in [self.members.by_node(h)] if p is not None]
+                 for p in [self.members.by_node(h)] if p is not None and not p.unreachable]
         random.shuffle(peers)
         return sorted(peers, key=lambda p: p.busy)
 
@@ -944,6 +1006,7 @@ class PeerTier(Listener):
             "failure_domain": self.failure_domain or None,
             "peers": [p.describe() for p in self.members.peers.values()],
             "live_peers": len(self.members.live()),
+            "membership": self.members.status(),
             "replication_queue": len(self.repl_queue) + len(self.replicating),
             "replication_pending_bytes": sum(
                 n.size for n in {**self.repl_queue, **self.replicating}.values()),

@@ -199,30 +199,50 @@ class ListHeldReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[HeldFile, _Mapping]]] = ...) -> None: ...
 
 class MemberUpdate(_message.Message):
-    __slots__ = ("node", "state", "incarnation")
+    __slots__ = ("node", "state", "incarnation", "node_id", "failure_domain", "data_port")
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node: str
     state: int
     incarnation: int
-    def __init__(self, node: _Optional[str] = ..., state: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    node_id: str
+    failure_domain: str
+    data_port: int
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[int] = ..., incarnation: _Optional[int] = ..., node_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GossipMessage(_message.Message):
-    __slots__ = ("from_node", "kind", "seq", "incarnation", "target", "updates")
+    __slots__ = ("from_node", "kind", "seq", "incarnation", "target", "updates", "node_id", "failure_domain", "data_port", "ram_free", "ready", "to", "stamp")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    RAM_FREE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     kind: int
     seq: int
     incarnation: int
     target: str
     updates: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
-    def __init__(self, from_node: _Optional[str] = ..., kind: _Optional[int] = ..., seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., target: _Optional[str] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ...) -> None: ...
+    node_id: str
+    failure_domain: str
+    data_port: int
+    ram_free: int
+    ready: bool
+    to: str
+    stamp: int
+    def __init__(self, from_node: _Optional[str] = ..., kind: _Optional[int] = ..., seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., target: _Optional[str] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ..., node_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., data_port: _Optional[int] = ..., ram_free: _Optional[int] = ..., ready: _Optional[bool] = ..., to: _Optional[str] = ..., stamp: _Optional[int] = ...) -> None: ...
 
 class TreeMessage(_message.Message):
     __slots__ = ("from_node", "origin", "seq", "end", "ack", "start", "batch")
