@@ -343,6 +343,8 @@ def daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
         "securityContext": {"privileged": True},
         "ports": [
             {"name": "peer", "containerPort": PEER_PORT, "protocol": "TCP"},
+            # Membership (SWIM) datagrams: the --listen port, on UDP.
+            {"name": "gossip", "containerPort": PEER_PORT, "protocol": "UDP"},
             # The bulk data channel (--data-listen defaults to the --listen port + 1).
             {"name": "data", "containerPort": PEER_PORT + 1, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
