@@ -10,9 +10,16 @@ bootstrap:
 demo: bootstrap
 	$(VENV)/bin/mtcfs demo
 
+# Most tests wait (daemons starting, timeouts, peers), so they run on TEST_WORKERS
+# pytest-xdist workers, slowest first (tests/conftest.py); those marked `serial`
+# (timing bounds that must not share the machine) run after them, one at a time.
+TEST_WORKERS ?= 4
+
 test: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
-	$(PY) -m pytest -q -m 'not image and not chaos' tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		-m 'not image and not chaos and not serial' tests
+	$(PY) -m pytest -q -m 'serial and not image and not chaos' tests
 
 # The container image mtcfs:<version> (deploy/Dockerfile) built with buildah from a
 # debootstrapped Debian trixie base (scripts/build_image.sh: installs buildah and

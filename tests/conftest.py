@@ -142,6 +142,12 @@ def make_cluster(tmp_path: Path, ram_root: Path, request: pytest.FixtureRequest,
         c.close()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `slow` first (stable otherwise): `make test` runs the suite on
+    several xdist workers, and a long test handed out last would run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Record each phase's report on the item (make_cluster prints logs on failure)."""

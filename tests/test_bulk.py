@@ -382,6 +382,7 @@ def test_striped_restore_reads_from_every_holder(make_cluster):
     assert s["bulk_fetched_bytes"] == len(data) and s["integrity_errors"] == 0, s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigstop", "kill9"])
 def test_restore_survives_a_holder_lost_halfway(make_cluster, fault):
     """One holder is stopped (SIGSTOP: its connections stay open, silent) or killed

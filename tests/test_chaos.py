@@ -34,6 +34,7 @@ def check(r: dict) -> None:
     assert r["steps_committed"] > 0
 
 
+@pytest.mark.slow
 def test_chaos_smoke(tmp_path: Path) -> None:
     weights = {**DEFAULT_WEIGHTS, "netcut": 0, "kill_replace": 0}  # see the module doc
     cfg = Config(seconds=SMOKE_SECONDS, seed=7, fsync="replicas", shard_kib=512,

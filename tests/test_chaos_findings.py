@@ -41,6 +41,7 @@ def test_a_file_renamed_by_another_host_is_persisted(make_cluster, tmp_path: Pat
     assert (bucket / "x").read_bytes() == data
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_a_partition_leaves_a_healthy_committed_step_intact(tmp_path: Path) -> None:
     """Three hosts save step 1 (each its shards, one the commit) with the bucket frozen, so
@@ -113,6 +114,7 @@ def test_a_replaced_writers_replicated_shard_is_persisted(make_cluster, tmp_path
     assert (bucket / "step_1" / "__1_0.distcp").read_bytes() == shard_b
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_a_marker_waits_for_the_files_of_a_host_cut_off_while_it_wrote(tmp_path: Path) -> None:
     """h2's link is cut (bucket included); h0, h1 and h2 write their shards of step 1 (h2's

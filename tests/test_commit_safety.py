@@ -21,6 +21,7 @@ import sys
 import textwrap
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,7 @@ def run_dcp(mounts: list[MtcfsMount], steps: str, tmp_path: Path,
     return outs
 
 
+@pytest.mark.slow
 def test_dcp_ranks_see_the_commit_when_save_returns(make_cluster, tmp_path):
     """4 ranks on 2 hosts: every rank reads .metadata right after each save() returns."""
     c = make_cluster(2, replicas=1)
@@ -90,6 +92,7 @@ def test_dcp_ranks_see_the_commit_when_save_returns(make_cluster, tmp_path):
     assert all(o.count("saved") == 5 for o in outs), outs
 
 
+@pytest.mark.slow
 def test_dcp_step_that_lost_its_only_copy_is_withdrawn_and_the_job_resumes(make_cluster,
                                                                           tmp_path):
     bucket = tmp_path / "bucket"
@@ -201,6 +204,7 @@ def orbax_ready() -> None:
         pytest.skip("needs unshare (util-linux)")
 
 
+@pytest.mark.slow
 def test_orbax_multihost_save_then_restore_swapped_on_fresh_mounts(make_cluster, orbax_ready):
     for i in range(ORBAX_ROUNDS):
         c = make_cluster(2, replicas=1)
@@ -211,6 +215,7 @@ def test_orbax_multihost_save_then_restore_swapped_on_fresh_mounts(make_cluster,
         c.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["umount", "kill9"])
 def test_steps_survive_a_whole_job_restart_over_intact_ram(make_cluster, tmp_path, how):
     """Both daemons go down over their RAM dirs (a node-pool restart, a bad rollout) and
@@ -221,11 +226,12 @@ def test_steps_survive_a_whole_job_restart_over_intact_ram(make_cluster, tmp_pat
     a, b = c["a"], c["b"]
     run_dcp([a, b], "1,2", tmp_path)
     assert a.state("step_2/__1_0.distcp")["holders"] == ["node-b"]
-    for name in ("a", "b"):
-        if how == "kill9":
+    if how == "kill9":
+        for name in ("a", "b"):
             c.kill9(name)
-        else:
-            c[name].stop()
+    else:  # together: one after the other, b could outlive a by the withdrawal grace under load
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(MtcfsMount.stop, (a, b)))
     c.restart("a")
     time.sleep(4)  # a is live and has found b dead
     assert b.proc is not None and b.proc.poll() is not None
@@ -238,6 +244,7 @@ def test_steps_survive_a_whole_job_restart_over_intact_ram(make_cluster, tmp_pat
         assert "withdrew" not in m.log()
 
 
+@pytest.mark.slow
 def test_orbax_step_that_lost_its_only_copy_is_withdrawn(make_cluster, orbax_ready, tmp_path):
     """The primary host dies with the only copy of its process's files of step 2 (the
     other host never read them; the primary reads everyone's files to finalize, so its

@@ -542,6 +542,7 @@ def test_chunk_damaged_in_transit_is_fetched_again(corruptible: tuple[DurableTie
     assert all(rec.correct)
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_failed_chunk_stops_the_others(tmp_path: Path) -> None:
     """The first failure aborts the chunks still in transfer (instead of waiting for them),
     raises the cause rather than the siblings' aborts, and leaves no worker writing."""

@@ -125,7 +125,7 @@ def test_keep_steps_keeps_exactly_n_complete_steps(make_mount, tmp_path):
     lc = m.status()["lifecycle"]
     assert lc["evictions"]["retention"] >= 6  # 3 steps x (2 shards + .metadata)
     assert wait_metric(m, "mtcfs_evictions_total", 6, reason="retention") >= 6
-    assert metric(m, "mtcfs_read_bytes_total", tier="file") >= 12 * MiB
+    assert wait_metric(m, "mtcfs_read_bytes_total", 12 * MiB, tier="file") >= 12 * MiB
 
 
 def test_stale_incomplete_steps_are_removed_after_grace(make_mount, tmp_path):
@@ -448,7 +448,13 @@ def test_metrics_and_healthz(make_cluster, tmp_path):
                            for i in range(3)))
     wait_metric(a, "mtcfs_persist_lag_seconds_count", 3)
     wait_metric(a, "mtcfs_replication_lag_seconds_count", 3)
-    s = metrics(a)
+    # The gauges come from a status snapshot taken every second: one taken after the
+    # files settled (the lag histograms above are live).
+    written = [("mtcfs_written_bytes_total", (("tier", t),)) for t in ("ram", "peers", "file")]
+    s = wait_until(lambda: (s := metrics(a)).get(("mtcfs_files", (("state", "closed"),))) == 3
+                   and s.get(("mtcfs_upload_queue_files", ())) == 0
+                   and all(s.get(k, 0) >= 6 * MiB for k in written) and s, timeout=20,
+                   what="a metrics snapshot with the 3 files closed, replicated and uploaded")
     assert s[("mtcfs_files", (("state", "closed"),))] == 3
     assert s[("mtcfs_written_bytes_total", (("tier", "ram"),))] >= 6 * MiB
     assert s[("mtcfs_written_bytes_total", (("tier", "peers"),))] >= 6 * MiB

@@ -137,6 +137,7 @@ def test_topology(cluster_factory) -> None:  # noqa: F811
     assert root_links() == before
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_echo_and_link_down(cluster_factory) -> None:  # noqa: F811
     c = cluster_factory(3)
     h0, h1, h2 = c.hosts
@@ -152,6 +153,7 @@ def test_echo_and_link_down(cluster_factory) -> None:  # noqa: F811
     assert echo(h2, h0) == "ping"
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_one_way_drops(cluster_factory) -> None:  # noqa: F811
     c = cluster_factory(3)
     h0, h1, h2 = c.hosts
@@ -177,6 +179,7 @@ def test_one_way_drops(cluster_factory) -> None:  # noqa: F811
     assert echo(h1, h0) == "ping"
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_heal_also_restores_link(cluster_factory) -> None:  # noqa: F811
     c = cluster_factory(2)
     h0, h1 = c.hosts

@@ -195,7 +195,7 @@ def listing(d: Path) -> list[str]:
 def state(n: Node, cli: bool = False) -> dict[str, Any]:
     """Everything a refused request must leave as it was. cli=True reads the status
     through `mtcfs status --json` (else the same reply over the control socket)."""
-    st = n.mount.status() if cli else control.request(str(n.mount.path), "status")["status"]
+    st = n.mount.status(cli=True) if cli else control.request(str(n.mount.path), "status")["status"]
     snap = n.stub.Snapshot(pb.SnapshotRequest(from_node=SENDER), timeout=TIMEOUT, metadata=n.md)
     held = n.stub.ListHeld(pb.ListHeldRequest(), timeout=TIMEOUT, metadata=n.md)
     return {
@@ -212,10 +212,16 @@ def state(n: Node, cli: bool = False) -> dict[str, Any]:
 def assert_unchanged(n: Node, before: dict[str, Any], what: str, cli: bool = False) -> None:
     # A rejected replica goes to trash/, which a worker empties: only then has its
     # space come back (with passthrough the RAM tier's use is what its tmpfs says).
+    # The call's error can reach us before the replica is in trash/ (seen under load:
+    # trash/ empty, ram_used still up by the rejected bytes): wait for the daemon to
+    # settle back, up to 5 s, then compare.
     deadline = time.monotonic() + 5
-    while listing(n.ram_dir / "data" / ".trash") and time.monotonic() < deadline:
+    while True:
+        idle = not listing(n.ram_dir / "data" / ".trash")
+        after = state(n, cli)
+        if (idle and after == before) or time.monotonic() > deadline:
+            break
         time.sleep(0.05)
-    after = state(n, cli)
     for key in before:
         assert after[key] == before[key], f"{what} changed the daemon's {key}"
     assert after["incoming"] == [], f"{what} left a partial replica in incoming/"

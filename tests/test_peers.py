@@ -343,6 +343,7 @@ DCP_LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_torch_dcp_save_then_load_on_replacement(make_cluster, tmp_path):
     pytest.importorskip("torch")
     c = make_cluster(3, replicas=1)
@@ -448,6 +449,7 @@ def test_kill_target_during_replication(make_cluster):
     assert pstatus(restarted)["integrity_errors"] == 0
 
 
+@pytest.mark.slow
 def test_corrupt_replica_never_served(make_cluster):
     c = make_cluster(2, replicas=1)
     a, b = c["a"], c["b"]

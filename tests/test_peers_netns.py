@@ -222,6 +222,7 @@ def failover_read(net: Net, reader: Node, bad: Node, files: dict[str, bytes],
 # -- 1. a partitioned holder does not hang readers ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_partitioned_holder_does_not_hang_readers(make_net) -> None:
     net = make_net(3)
     h0, _, _ = net.add_nodes(3, replicas=1)
@@ -258,6 +259,7 @@ def test_partitioned_holder_does_not_hang_readers(make_net) -> None:
 # -- 2. one-way packet loss ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_way_drops_never_hang_or_corrupt(make_net) -> None:
     net = make_net(3)
     h0, _, _ = net.add_nodes(3, replicas=1)
@@ -325,6 +327,7 @@ def start_gcs(host: Host, root: Path, bucket: str) -> str:
     return url
 
 
+@pytest.mark.slow
 def test_reader_falls_back_to_gcs_when_every_holder_is_cut(make_net) -> None:
     net = make_net(4)  # hosts 0-2 run mtcfs, host 3 only the GCS server
     url = start_gcs(net.cluster.hosts[3], net.root, "ckpt")
@@ -362,6 +365,7 @@ def restore_state(reader: Node, ino: int, holders: set[str]) -> tuple[str | None
     return source, done
 
 
+@pytest.mark.slow
 def test_holder_killed_during_restore(make_net) -> None:
     net = make_net(3)
     h0, _, _ = net.add_nodes(3, replicas=1)

@@ -356,6 +356,7 @@ def test_temporary_files_inside_a_step(make_mount, bucket: Bucket, policy: str) 
     bucket.assert_holds({"50/shard": shard, "50/.metadata": meta, "50/late.pt": late})
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_interval_policy_uploads_newest_complete_step(make_mount, bucket: Bucket) -> None:
     m = make_mount(extra=bucket.mount_args("interval:1"))
     assert dstatus(m)["policy"] == "interval:1"

@@ -1337,6 +1337,7 @@ RARE = {
 }
 
 
+@pytest.mark.slow
 def test_mtcfs_behaves_like_tmpfs(make_mount, ram_root: Path, data_path: str) -> None:
     mnt = make_mount(extra=("-o", "allow_other"))  # for the second user
     # The reference: a tmpfs of its own, nodev and nosuid as mtcfs mounts are (on

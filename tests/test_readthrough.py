@@ -813,6 +813,7 @@ def slow_fetch(make_mount, gs_durable: Durable) -> Iterator[Callable]:
         link.close()
 
 
+@pytest.mark.slow
 def test_unlink_while_fetching(slow_fetch) -> None:
     """The fetch goes on into a file that is gone; it never writes anywhere else."""
     m, _, _ = slow_fetch(64 * MiB)

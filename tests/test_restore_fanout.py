@@ -82,6 +82,7 @@ def durable_bytes(m) -> int:
     return m.status()["durable"]["readthrough"]["durable_bytes"]
 
 
+@pytest.mark.slow
 def test_hosts_restoring_the_same_file_read_the_bucket_once(make_cluster, gcs_server,
                                                              gcs_bucket, bucket_link):
     size = 128 * MiB + 12345
@@ -118,6 +119,7 @@ def test_hosts_restoring_the_same_file_read_the_bucket_once(make_cluster, gcs_se
     assert pstatus(c["d"])["restore_peer_bytes"] == size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill9", "sigstop"])
 def test_a_source_lost_mid_restore_does_not_fail_the_others(make_cluster, gcs_server,
                                                              gcs_bucket, bucket_link, fault):

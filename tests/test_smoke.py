@@ -18,7 +18,7 @@ def test_write_read_state_status_umount(mnt):
     assert st["size"] == len(data)
     assert int(st["crc32c"], 16) == google_crc32c.value(data)
     assert st["holders"] == ["node-a"] and st["replicas"] == 0 and st["persisted"] is False
-    status = mnt.status()
+    status = mnt.status(cli=True)  # `mtcfs status --json`
     assert status["files"] == 1 and status["ram"]["capacity"] == 2 << 30
     assert status["health"] == "ok"
     r = mtcfs("umount", str(mnt.path))

@@ -126,6 +126,7 @@ def test_tensorstore_pattern_rename_of_an_open_locked_file_then_dir_fsync(make_c
             os.close(fd)
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_plain_close_stays_asynchronous_and_visibility_close_waits(make_cluster):
     c = make_cluster(2, replicas=0)
     a, b = c["a"], c["b"]
@@ -172,6 +173,7 @@ def test_close_in_a_step_being_written_is_visible_when_it_returns(make_cluster):
     assert waited > 0.5, f"the close returned after {waited:.2f} s without b"
 
 
+@pytest.mark.serial  # a timing bound: must not share the machine
 def test_a_peer_that_does_not_answer_bounds_fsync_by_the_commit_timeout(make_cluster):
     c = make_cluster(2, replicas=0, extra=("--commit-timeout", "1.5"))
     a, b = c["a"], c["b"]
