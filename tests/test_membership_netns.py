@@ -35,8 +35,10 @@ from support.netns import (  # noqa: F401 - cluster_factory is a fixture
 )
 from support.netns_hosts import PORT, Node
 
-pytestmark = pytest.mark.skipif(netns_unavailable() is not None,
-                                reason=netns_unavailable() or "")
+pytestmark = [
+    pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or ""),
+    pytest.mark.serial,  # detection and refutation bounds: must not share the machine
+]
 
 HOSTS = 4
 # Probe period, no ack, suspicion timeout, and the news reaching every host: the bound
