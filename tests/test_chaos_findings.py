@@ -114,7 +114,7 @@ def test_a_replaced_writers_replicated_shard_is_persisted(make_cluster, tmp_path
     assert (bucket / "step_1" / "__1_0.distcp").read_bytes() == shard_b
 
 
-@pytest.mark.slow
+@pytest.mark.serial  # h2 must be back within 15 s (or it counts as gone): not under load
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_a_marker_waits_for_the_files_of_a_host_cut_off_while_it_wrote(tmp_path: Path) -> None:
     """h2's link is cut (bucket included); h0, h1 and h2 write their shards of step 1 (h2's

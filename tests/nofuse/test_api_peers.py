@@ -27,7 +27,10 @@ def free_port() -> int:
 
 async def pair(make_host, **cli) -> tuple[Host, Host]:
     pa, pb = free_port(), free_port()
-    common = {"insecure": True, "replicas": 1, "commit_timeout": 10, **cli}
+    # The data channel on any free port (its default, port + 1, may be taken: a port
+    # another test, or xdist worker, is using).
+    common = {"insecure": True, "replicas": 1, "commit_timeout": 10,
+              "data_listen": "127.0.0.1:0", **cli}
     a = await make_host("a", start=False, listen=f"127.0.0.1:{pa}",
                         peers=f"127.0.0.1:{pb}", **common)
     b = await make_host("b", start=False, listen=f"127.0.0.1:{pb}",
