@@ -56,7 +56,6 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import google_crc32c
@@ -194,19 +193,6 @@ class Conn:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def await_frame_or(self, task: Future[Any]) -> None:
-        """Until the next frame starts to arrive or `task` ends (its failure raised
-        here: a sender that stops after a bad block hears why at once)."""
-        while not task.done():
-            if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
-                return
-            try:
-                if select.select([self.sock], [], [], 0.05)[0]:
-                    return
-            except (OSError, ValueError):
-                return  # closed: the receive that follows says so
-        task.result()
-
     def stale(self) -> bool:
         """An idle connection with something to read was closed (or broken) by the other
         side: not reused."""
@@ -288,29 +274,16 @@ class Conn:
                    ) -> bytes:
         """The next received frame's MAC (IntegrityError when it does not match);
         returns the digest of its bytes."""
-        seq = self.received
-        self.received += 1
-        return self.check_mac_at(seq, kind, offset, data, mac)
-
-    def check_mac_at(self, seq: int, kind: bytes, offset: int, data: memoryview | bytes,
-                     mac: bytes) -> bytes:
-        """The MAC of received frame number `seq` (IntegrityError when it does not
-        match); returns the digest of its bytes. Any thread: it touches no state."""
         digest = digest_of(data)
-        want = self._mac_of(self.in_dir, seq, kind, offset, len(data), digest)
+        want = self._mac_of(self.in_dir, self.received, kind, offset, len(data), digest)
+        self.received += 1
         if not hmac.compare_digest(want, mac):
             raise IntegrityError(f"bad MAC on the frame at {offset} ({len(data)} bytes)")
         return digest
 
     def recv_data(self, offset: int, length: int, mac: bytes) -> tuple[bytes, bytes]:
         """A data block's bytes, once their MAC matched, as bytes (what crc32c takes),
-        and their digest."""
-        data, seq = self.recv_unchecked(length)
-        return data, self.check_mac_at(seq, DATA, offset, data, mac)
-
-    def recv_unchecked(self, length: int) -> tuple[bytes, int]:
-        """A data block's bytes, NOT checked yet, and its frame number (for
-        check_mac_at): received straight into a new bytes object where the socket
+        and their digest: received straight into a new bytes object where the socket
         allows it, so the block is not copied once more."""
         data = b""
         if not isinstance(self.sock, ssl.SSLSocket):
@@ -332,9 +305,7 @@ class Conn:
             view[:len(data)] = data
             recv_exact(self.sock, view[len(data):])
             data = bytes(view)
-        seq = self.received
-        self.received += 1
-        return data, seq
+        return data, self._check_mac(DATA, offset, data, mac)
 
     def recv_control(self) -> dict[str, Any]:
         kind, offset, length, mac = self.recv_header()
@@ -602,41 +573,25 @@ class BulkServer:
         try:
             conn.send_control({"ok": True})
             fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-
-            def take(seq: int, offset: int, data: bytes, mac: bytes) -> None:
-                digest = conn.check_mac_at(seq, DATA, offset, data, mac)
-                verify.feed(data)  # raises IntegrityError on a bad crc32c
-                os.pwrite(fd, data, offset)
-                digests.append((offset, len(data), digest))
-                self.bytes_received += len(data)
-
-            # Block n is checked and written by a helper thread while this one receives
-            # block n+1 (both release the GIL): one push uses two cores. At most two
-            # blocks are in memory; a failure surfaces at the next block or the end.
-            yielded, expect, pending = 0.0, 0, None
+            yielded = 0.0
             try:
-                with ThreadPoolExecutor(1, thread_name_prefix="bulk-verify") as checker:
-                    while True:
-                        if pending is not None:
-                            conn.await_frame_or(pending)
-                        kind, offset, length, mac = conn.recv_header()
-                        if kind == CONTROL:
-                            if pending is not None:
-                                pending.result()
-                            end = conn.recv_body(kind, offset, length, mac)
-                            if json.loads(bytes(end)).get("op") != "end":
-                                raise BadRequest("expected the end of the push")
-                            break
-                        if offset != expect or length != min(BLOCK, e.size - offset):
-                            raise BadRequest(f"block at {offset} of {length} bytes; expected "
-                                             f"{expect} of {min(BLOCK, e.size - offset)}")
-                        expect += length
-                        data, seq = conn.recv_unchecked(length)
-                        if pending is not None:
-                            pending.result()
-                        pending = checker.submit(take, seq, offset, data, mac)
-                        # This host's trainer is writing: let it have the CPU (bounded).
-                        yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
+                while True:
+                    kind, offset, length, mac = conn.recv_header()
+                    if kind == CONTROL:
+                        end = conn.recv_body(kind, offset, length, mac)
+                        if json.loads(bytes(end)).get("op") != "end":
+                            raise BadRequest("expected the end of the push")
+                        break
+                    if offset != verify.offset or length != min(BLOCK, e.size - offset):
+                        raise BadRequest(f"block at {offset} of {length} bytes; expected "
+                                         f"{verify.offset} of {min(BLOCK, e.size - offset)}")
+                    data, digest = conn.recv_data(offset, length, mac)
+                    verify.feed(data)  # raises IntegrityError on a bad crc32c
+                    os.pwrite(fd, data, offset)
+                    digests.append((offset, length, digest))
+                    self.bytes_received += length
+                    # This host's trainer is writing: let it have the CPU (bounded).
+                    yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
                 verify.finish()
             finally:
                 os.close(fd)
