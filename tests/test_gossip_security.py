@@ -9,7 +9,6 @@ SWIM's messages sealed with the job's key (or not).
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 import uuid
@@ -26,7 +25,7 @@ from mtcfs.peer.gossip import MAC_LEN, MAGIC, Codec
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 from support.gcs_server import free_port
-from support.mounts import MtcfsMount, force_unmount, unmount_under
+from support.mounts import MtcfsMount, dispose
 
 FAKE_NODE = "node-fake"
 
@@ -73,15 +72,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         yield Setup(m, addr, fake, sock, token)
     finally:
         sock.close()
-        try:
-            m.stop()
-        finally:
-            if m.proc is not None and m.proc.poll() is None:
-                m.proc.kill()
-                m.proc.wait()
-            force_unmount(str(mp))
-            unmount_under(ram_root)
-            shutil.rmtree(ram_root, ignore_errors=True)
+        dispose(m, mp, ram_root)
 
 
 def message(s: Setup, kind: int, incarnation: int, **kw: Any) -> pb.GossipMessage:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import stat
 import struct
 import subprocess
@@ -37,7 +36,7 @@ from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 
 from support.certs import make_ca, make_cert
 from support.gcs_server import closed_port, free_port
-from support.mounts import MtcfsMount, force_unmount, mtcfs, unmount_under
+from support.mounts import MtcfsMount, dispose, mtcfs
 
 MiB = 1 << 20
 Code = grpc.StatusCode
@@ -117,15 +116,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     finally:
         if channel is not None:
             channel.close()
-        try:
-            m.stop()
-        finally:
-            if m.proc is not None and m.proc.poll() is None:
-                m.proc.kill()
-                m.proc.wait()
-            force_unmount(str(mp))
-            unmount_under(ram_root)
-            shutil.rmtree(ram_root, ignore_errors=True)
+        dispose(m, mp, ram_root)
 
 
 # -- calling, and what "nothing changed" means ----------------------------------------------------
