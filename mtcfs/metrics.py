@@ -219,7 +219,8 @@ class Metrics(Collector):
             yield _counter("mtcfs_replicas_sent", "Replicas pushed to peers", p["replicas_sent"])
             yield _counter("mtcfs_replicas_received", "Replicas received from peers",
                            p["replicas_received"])
-            up = GaugeMetricFamily("mtcfs_peer_up", "1 while a peer answers health checks",
+            up = GaugeMetricFamily("mtcfs_peer_up",
+                                   "1 while a peer is alive in this host's membership view",
                                    labels=["peer", "node"])
             for peer in p["peers"]:
                 up.add_metric([peer["address"], peer["node_id"] or ""], 1 if peer["alive"] else 0)
