@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import gcs_server as _gcs
-from support.mounts import MtcfsMount, PeerCluster, force_unmount, free_port, unmount_under
+from support.mounts import MtcfsMount, PeerCluster, dispose, free_port, unmount_under
 
 
 @pytest.fixture
@@ -51,14 +51,7 @@ def make_mount(tmp_path: Path, ram_root: Path, data_path: str) -> Iterator:
 
     yield make
     for m in mounts:
-        try:
-            m.stop()
-        finally:
-            if m.proc is not None and m.proc.poll() is None:
-                m.proc.kill()
-                m.proc.wait()
-            force_unmount(str(m.path))
-            unmount_under(m.ram_dir)
+        dispose(m)
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         yield Setup(m, addr, fake, sock, token)
     finally:
         sock.close()
-        dispose(m, mp, ram_root)
+        dispose(m, ram_root)
 
 
 def message(s: Setup, kind: int, incarnation: int, **kw: Any) -> pb.GossipMessage:

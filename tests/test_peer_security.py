@@ -116,7 +116,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     finally:
         if channel is not None:
             channel.close()
-        dispose(m, mp, ram_root)
+        dispose(m, ram_root)
 
 
 # -- calling, and what "nothing changed" means ----------------------------------------------------

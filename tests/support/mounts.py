@@ -84,18 +84,20 @@ def unmount_under(root: Path) -> None:
             subprocess.run(["umount", "-l", e.mount_point], capture_output=True)
 
 
-def dispose(m: MtcfsMount, mp: Path, ram_root: Path) -> None:
-    """Stop a daemon a test started on its own (killed if it will not stop), and leave
-    nothing of it: its mount, its RAM tier's tmpfs, its RAM dir."""
+def dispose(m: MtcfsMount, ram_root: Path | None = None) -> None:
+    """Stop a test's daemon (killed if it will not stop) and detach its mount and its
+    RAM tier's tmpfs; with `ram_root` (a test's own RAM root), detach everything below
+    it and remove it too."""
     try:
         m.stop()
     finally:
         if m.proc is not None and m.proc.poll() is None:
             m.proc.kill()
             m.proc.wait()
-        force_unmount(str(mp))
-        unmount_under(ram_root)
-        shutil.rmtree(ram_root, ignore_errors=True)
+        force_unmount(str(m.path))
+        unmount_under(ram_root or m.ram_dir)
+        if ram_root is not None:
+            shutil.rmtree(ram_root, ignore_errors=True)
 
 
 def blob(seed: int, size: int) -> bytes:
