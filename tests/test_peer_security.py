@@ -258,6 +258,18 @@ def good_batch() -> pb.ChangeBatch:
     return batch(d, entry(parent=d.id, name=b"shard"))
 
 
+PARENT = "127.0.0.1:9"  # the address a (fake) parent in a dissemination tree claims
+_seq = iter(range(10**6, 10**7))
+
+
+def forward(b: pb.ChangeBatch, **kw: Any) -> pb.TreeMessage:
+    """A batch down a dissemination tree to the daemon, its range the whole ring."""
+    fields: dict[str, Any] = dict(from_node=PARENT, origin=PARENT, seq=next(_seq), end="",
+                                  batch=b)
+    fields.update(kw)
+    return pb.TreeMessage(**fields)
+
+
 PUSH_DATA = os.urandom(3 * 256 * 1024 + 17)
 PIECE = 256 * 1024
 
@@ -307,6 +319,7 @@ CALLS: dict[str, Callable[[Node, Any], Any]] = {
                                                timeout=TIMEOUT, metadata=md),
     "ListHeld": lambda n, md: n.stub.ListHeld(pb.ListHeldRequest(), timeout=TIMEOUT,
                                              metadata=md),
+    "Forward": lambda n, md: n.stub.Forward(forward(good_batch()), timeout=TIMEOUT, metadata=md),
 }
 
 
@@ -391,6 +404,42 @@ def test_malformed_broadcast_is_refused(node: Node, case: str) -> None:
            lambda: node.stub.Broadcast(BAD_BATCHES[case](), timeout=TIMEOUT, metadata=node.md),
            f"Broadcast with {case}")
     assert_unchanged(node, before, f"Broadcast with {case}")
+
+
+# -- Forward (a batch down a dissemination tree) with the token but malformed --------------------
+
+BAD_FORWARDS: dict[str, Callable[[], pb.TreeMessage]] = {
+    **{f"batch with {case}": (lambda make=make: forward(make()))
+       for case, make in BAD_BATCHES.items()
+       if case not in ("20000 entries",)},  # one oversize case is enough: below
+    "batch of 20000 entries": lambda: forward(BAD_BATCHES["20000 entries"]()),
+    "batch number 0": lambda: forward(good_batch(), seq=0),
+    "batch number 2**63": lambda: forward(good_batch(), seq=2**63),
+    "no sender": lambda: forward(good_batch(), from_node=""),
+    "no origin": lambda: forward(good_batch(), origin=""),
+    "sender of 400 chars": lambda: forward(good_batch(), from_node="a" * 400),
+    "range end of 400 chars": lambda: forward(good_batch(), end="a" * 400),
+    "ack without its range": lambda: pb.TreeMessage(from_node=PARENT, origin=PARENT, seq=5,
+                                                    ack=True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FORWARDS))
+def test_malformed_forward_is_refused(node: Node, case: str) -> None:
+    before = state(node)
+    expect(Code.INVALID_ARGUMENT,
+           lambda: node.stub.Forward(BAD_FORWARDS[case](), timeout=TIMEOUT, metadata=node.md),
+           f"Forward with {case}")
+    assert_unchanged(node, before, f"Forward with {case}")
+
+
+def test_an_ack_for_no_batch_changes_nothing(node: Node) -> None:
+    before = state(node)
+    ack = pb.TreeMessage(from_node=PARENT, origin=node.addr, seq=123, ack=True, start=PARENT,
+                         end=node.addr)
+    expect(Code.OK, lambda: node.stub.Forward(ack, timeout=TIMEOUT, metadata=node.md),
+           "an ack of a batch never sent")
+    assert_unchanged(node, before, "an ack of a batch never sent")
 
 
 # -- PushFile with the token but malformed or corrupt: refused, no replica kept -------------------
@@ -561,6 +610,61 @@ def test_well_formed_broadcast_is_applied(node: Node) -> None:
     # The failed fetch holds no RAM (an emptied data file may stay for a retry).
     assert after["status"]["ram_used"] == before["status"]["ram_used"]
     assert after["incoming"] == []
+
+
+class _Parent(pb_grpc.PeerServicer):
+    """A parent in a dissemination tree: a real gRPC server that keeps what it gets."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[pb.TreeMessage, dict[str, str]]] = []
+
+    def Forward(self, request: pb.TreeMessage, context: grpc.ServicerContext) -> pb.OneWay:
+        self.got.append((request, dict(context.invocation_metadata())))
+        return pb.OneWay()
+
+
+def test_well_formed_forward_is_applied_once_and_acked_to_its_sender(node: Node) -> None:
+    from concurrent import futures
+
+    parent = _Parent()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PeerServicer_to_server(parent, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        me = f"127.0.0.1:{port}"
+        before = state(node, cli=True)
+        b = good_batch()
+        d, f = b.entries
+        msg = forward(b, from_node=me, origin=me)
+        expect(Code.OK, lambda: node.stub.Forward(msg, timeout=TIMEOUT, metadata=node.md),
+               "a well-formed Forward")
+        deadline = time.monotonic() + 10
+        while not parent.got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert parent.got, "no ack came back to the sender"
+        ack, md = parent.got[0]
+        # The ack covers the range it was given, comes from the daemon, with the token.
+        assert (ack.ack, ack.origin, ack.seq, ack.start, ack.end) == (
+            True, me, msg.seq, node.addr, ""), ack
+        assert md.get("authorization") == "Bearer " + node.token
+        path = node.mount.path / d.name.decode() / "shard"
+        assert path.stat().st_size == f.size
+        mid = state(node, cli=True)
+        assert mid["status"]["index"]["entries"] == before["status"]["index"]["entries"] + 2
+        assert mid["status"]["batches_received"] == before["status"]["batches_received"] + 1
+        # The same batch again (a retry after a lost ack): acked again, not applied again.
+        expect(Code.OK, lambda: node.stub.Forward(msg, timeout=TIMEOUT, metadata=node.md),
+               "the same Forward again")
+        deadline = time.monotonic() + 10
+        while len(parent.got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(parent.got) == 2 and parent.got[1][0] == ack
+        after = state(node, cli=True)
+        assert after["status"]["batches_received"] == mid["status"]["batches_received"]
+        assert after["status"]["index"] == mid["status"]["index"]
+    finally:
+        server.stop(0)
 
 
 def test_well_formed_push_is_stored(node: Node) -> None:

@@ -1,53 +1,53 @@
-"""Getting this host's index changes to every peer, and knowing when they arrived.
+"""Getting this host's index changes to every host, and knowing when they arrived.
 
-Changes go out in batches on one ordered queue per peer; a peer's reply to a
-batch means it has applied it (the receiver applies before it answers), so
-each queue counts what was enqueued and what was acknowledged. `wait_applied`
-is the commit rule: fsync, a directory fsync and the rename or close that
-commits a step return only once every live peer has applied everything this
-host published before the call (bounded by --commit-timeout).
+The daemon's driver of mtcfs.peer.fanout (the sans-IO tree the 1,000-host
+simulation runs): a batch of this host's changes goes to at most FANOUT
+hosts, each of which applies it and forwards it to at most FANOUT others of
+its range of the ring of live hosts (by address), so a host's cost per
+batch does not grow with the number of hosts. Acks go back up the tree once
+a host and its whole subtree applied the batch, so the writer knows when
+every live host has it. That is the commit rule (`wait_applied`): fsync, a
+directory fsync and the rename or close that commits a step return only once
+every live host has applied everything this host published before the call
+(bounded by --commit-timeout).
 
-"Every live peer" counts peers that are alive and peers that were configured
-but are not known to be dead yet (never reached, or failing fewer than the
-dead threshold): a fresh mount does not treat a peer that has not answered
-yet as absent.
+"Every live host" counts hosts alive and hosts configured but not known to be
+dead yet (never reached, or not yet declared dead by SWIM): a fresh mount
+does not treat a peer that has not answered yet as absent. A child that does
+not ack gets the batch again (backing off); one declared dead has its range
+re-split among the range's live hosts. Nothing is queued for a host that is
+away: routers resend what they routed without it if it is back within
+fanout.REPAIR_WINDOW, and otherwise it catches up by snapshot (the peer
+tier's catch-up when a host comes back).
+
+Changes published in the same turn of the trio loop go out as one batch (up
+to MAX_BATCH entries). Runs in the daemon's trio thread; the sending (a
+one-way gRPC call per message) is the peer tier's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
-from mtcfs.peer.membership import Membership, Peer
+from mtcfs.peer import fanout
+from mtcfs.peer.membership import Membership
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 500  # entries per broadcast: each batch is applied in one go
-MAX_QUEUE = 200_000  # a peer away this long catches up from a snapshot instead
-
-
-class SendFailed(Exception):
-    """The batch did not reach the peer (it is marked failed by the sender)."""
-
-
-@dataclass
-class _Queue:
-    entries: deque[pb.Entry] = field(default_factory=deque)
-    enqueued: int = 0  # entries ever put on the queue
-    acked: int = 0  # entries the peer has applied (a prefix of the queue's history)
-    sending: bool = False
-    epoch: int = 0  # bumped when the queue is dropped (the peer catches up otherwise)
+MAX_BATCH = 500  # entries per batch: each batch is applied in one go
+TICK = 0.05  # seconds between retries' checks
+KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its batch
 
 
 @dataclass
 class Stats:
-    batches_sent: int = 0
+    batches_sent: int = 0  # this host's batches published
     entries_sent: int = 0
     waits: int = 0
     wait_seconds: float = 0.0
@@ -57,147 +57,187 @@ class Stats:
 
 
 class Broadcaster:
-    def __init__(self, members: Membership, send: Callable[[Peer, list[pb.Entry]],
-                                                           Awaitable[None]],
-                 commit_timeout: float) -> None:
+    def __init__(self, members: Membership, node_id: str, clock: Callable[[], int],
+                 send: Callable[[str, fanout.Message], None],
+                 deliver: Callable[[pb.ChangeBatch], None],
+                 settle: Callable[[float], bool], commit_timeout: float,
+                 degree: int = fanout.FANOUT) -> None:
+        """`send(address, message)`: one message to one host (the tier's gRPC call,
+        fire and forget: a lost one is sent again); `deliver(batch)`: apply another
+        host's batch here; `settle(timeout)`: wait (in a worker thread) until the
+        kernel dropped what it caches of the names applied so far."""
         self.members = members
-        self._send = send  # raises SendFailed
+        self.node_id = node_id
+        self.clock = clock
+        self._send = send
+        self._deliver = deliver
+        self._settle = settle
         self.commit_timeout = commit_timeout
         self.stats = Stats()
-        self._queues: dict[str, _Queue] = {}
+        # Numbered from the start time in µs: never a number of a previous life's.
+        self.tree = fanout.Fanout(members.me, self._live, self._apply, fanout=degree,
+                                  first_seq=time.time_ns() // 1000)
+        self._buffer: list[pb.Entry] = []
         self._wake = trio.Event()
-        self._progress = trio.Event()  # set on every ack and every membership change
-        self._nursery: trio.Nursery | None = None
-        # Observers (metrics): seconds a commit waited; a commit that timed out.
+        self._progress = trio.Event()  # set on every completed batch and membership change
+        self._acks: list[tuple[str, fanout.Message]] = []
+        self._acks_ready = trio.Event()
+        self._unsettled = False  # a batch applied since the kernel last settled
+        self._counted: list[str] = []  # the hosts of the trees: sorted addresses
+        self._counted_version = -1
+        self._known: set[str] = set()  # the counted hosts as of the last kick
+        self.send_errors = 0
         # Observers (metrics): called with the seconds a commit waited.
         self.observers: list[Callable[[float], None]] = []
         self.on_timeout: Callable[[], None] = lambda: None
 
+    # -- the hosts of the trees --------------------------------------------------------
+
+    def counted(self) -> list[str]:
+        """The other hosts a batch goes to and a commit waits for, sorted: alive, or
+        configured and not known dead yet."""
+        version = self.members.version
+        if version != self._counted_version:
+            self._counted_version = version
+            self._counted = sorted(a for a, p in self.members.peers.items()
+                                   if not p.removed and not p.dead)
+        return self._counted
+
+    def _live(self) -> list[str]:
+        return self.counted()
+
+    def kick(self) -> None:
+        """Membership changed: re-split the ranges of hosts now dead, resend to hosts
+        back, and re-check the commits waiting."""
+        before, after = self._known, set(self.counted())
+        self._known = after
+        now = time.monotonic()
+        out: fanout.Out = []
+        for addr in sorted(before - after):
+            out += self.tree.dead(addr, now)
+        for addr in sorted(after - before):
+            out += self.tree.alive(addr, now)
+        self._emit(out)
+        self._notify()
+
     # -- publishing --------------------------------------------------------------------
 
     def publish(self, entries: list[pb.Entry]) -> None:
-        """Queue entries for every configured peer (dead ones get them when back)."""
-        if not entries:
-            return
-        for addr in self.members.peers:
-            q = self._queues.setdefault(addr, _Queue())
-            if len(q.entries) + len(entries) > MAX_QUEUE:
-                # Away for too long: it catches up from a snapshot when it is back.
-                q.entries.clear()
-                q.acked = q.enqueued
-                q.epoch += 1
-            q.entries.extend(entries)
-            q.enqueued += len(entries)
-        self._wake.set()
+        """Queue entries for every host: they leave at the next turn of the loop."""
+        if entries:
+            self._buffer.extend(entries)
+            self._wake.set()
+
+    def _flush(self) -> None:
+        while self._buffer:
+            part, self._buffer = self._buffer[:MAX_BATCH], self._buffer[MAX_BATCH:]
+            batch = pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(), entries=part)
+            _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic())
+            self.stats.batches_sent += 1
+            self.stats.entries_sent += len(part)
+            self._emit(out)
+        self._notify()  # a batch to no one (no other host) is complete at once
 
     def pending(self) -> int:
-        return sum(len(q.entries) for q in self._queues.values())
+        """Entries of this host's not yet on every host."""
+        return len(self._buffer) + sum(len(b.entries) for b in self.tree.own_in_flight()
+                                       if isinstance(b, pb.ChangeBatch))
 
     def quiet(self) -> bool:
-        """Nothing waiting for a live peer."""
-        return not any(self._queues.get(p.addr) and self._queues[p.addr].entries
-                       for p in self.members.live())
+        """Nothing of this host's on its way."""
+        return not self._buffer and self.caught_up()
 
-    def drained(self, p: Peer) -> bool:
-        q = self._queues.get(p.addr)
-        return q is None or (not q.entries and not q.sending)
+    def caught_up(self) -> bool:
+        """Every batch this host published has reached every live host."""
+        return self.tree.completed >= self.tree.published()
 
-    def kick(self) -> None:
-        """Membership changed (a peer is alive or dead): send, and re-check waiters."""
-        self._wake.set()
-        self._notify()
+    # -- messages ----------------------------------------------------------------------
+
+    def on_message(self, src: str, msg: fanout.Message) -> None:
+        """A forward or an ack from `src` (in the trio thread, from the server)."""
+        self._emit(self.tree.on_message(src, msg, time.monotonic()))
+        if isinstance(msg, fanout.Ack):
+            self._notify()
+
+    def _apply(self, origin: str, seq: int, payload: object) -> None:
+        assert isinstance(payload, pb.ChangeBatch)
+        self._deliver(payload)
+        self._unsettled = True
+
+    def _emit(self, out: fanout.Out) -> None:
+        for dst, msg in out:
+            if isinstance(msg, fanout.Ack):
+                # "Applied here" once the kernel let go of the old names (see run).
+                self._acks.append((dst, msg))
+                self._acks_ready.set()
+            else:
+                self._send(dst, msg)
 
     def _notify(self) -> None:
         self._progress.set()
         self._progress = trio.Event()
 
-    # -- the commit rule -----------------------------------------------------------------
-
-    def counted(self, p: Peer) -> bool:
-        """A peer a commit waits for: alive, or configured and not known dead yet."""
-        return not p.removed and (p.alive or not p.known_dead)
+    # -- the commit rule ---------------------------------------------------------------
 
     async def wait_applied(self, what: str) -> list[str]:
-        """Return once every counted peer has applied everything published so far, or
-        after the commit timeout; returns the peers that did not answer (logged)."""
-        marks = {addr: q.enqueued for addr, q in self._queues.items()}
-        if not any(q.enqueued > q.acked for q in self._queues.values()):
+        """Return once every counted host has applied everything published so far, or
+        after the commit timeout; returns the hosts that did not answer (logged)."""
+        self._flush()
+        mark = self.tree.published()
+        if self.tree.completed >= mark:
             return []  # everything already applied everywhere: the common case is free
         t0 = time.monotonic()
-        self._wake.set()
-        missing: list[Peer] = []
         with trio.move_on_after(self.commit_timeout):
-            while True:
-                missing = self._missing(marks)
-                if not missing:
-                    break
+            while self.tree.completed < mark:
                 await self._progress.wait()
-        missing = self._missing(marks)
         took = time.monotonic() - t0
         self.stats.waits += 1
         self.stats.wait_seconds += took
         self.stats.max_wait = max(self.stats.max_wait, took)
         for observe in self.observers:
             observe(took)
-        if not missing:
+        if self.tree.completed >= mark:
             return []
-        names = [f"{p.node_id or '?'} ({p.addr})" for p in missing]
+        names = []
+        for addr in sorted(self.tree.waiting_on(mark)):
+            p = self.members.peers.get(addr)
+            names.append(f"{(p.node_id if p else '') or '?'} ({addr})")
         self.stats.timeouts += 1
         self.stats.last_timeout = ", ".join(names)
         self.on_timeout()
-        log.error("%s: returned after --commit-timeout %.1f s; these peers did not answer "
-                  "and may not see it yet: %s", what, self.commit_timeout, ", ".join(names))
+        log.error("%s: returned after --commit-timeout %.1f s; these peers (or a host they "
+                  "forward to) did not answer and may not see it yet: %s", what,
+                  self.commit_timeout, ", ".join(names))
         return names
 
-    def _missing(self, marks: dict[str, int]) -> list[Peer]:
-        out = []
-        for addr, mark in marks.items():
-            p = self.members.peers.get(addr)
-            q = self._queues.get(addr)
-            if p is None or q is None or not self.counted(p):
-                continue
-            if q.acked < mark:
-                out.append(p)
-        return out
-
-    # -- sending -------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            nursery.start_soon(self._send_acks)
+            nursery.start_soon(self._retry)
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
-                for addr, q in list(self._queues.items()):
-                    p = self.members.peers.get(addr)
-                    if p is None:
-                        del self._queues[addr]
-                        self._notify()
-                    elif q.entries and not q.sending and p.alive:
-                        q.sending = True
-                        nursery.start_soon(self._flush, p, q)
+                self._flush()
 
-    async def _flush(self, p: Peer, q: _Queue) -> None:
-        try:
-            while p.alive and not p.removed and q.entries:
-                batch = [q.entries[i] for i in range(min(MAX_BATCH, len(q.entries)))]
-                epoch = q.epoch
-                try:
-                    await self._send(p, batch)
-                except SendFailed:
-                    await trio.sleep(0.2)
-                    continue
-                if q.epoch == epoch:  # else the queue was dropped meanwhile
-                    for _ in batch:
-                        q.entries.popleft()
-                    q.acked += len(batch)
-                self.stats.batches_sent += 1
-                self.stats.entries_sent += len(batch)
-                self._notify()
-        finally:
-            q.sending = False
-            if q.entries and p.alive:
-                self._wake.set()
+    async def _retry(self) -> None:
+        while True:
+            await trio.sleep(TICK)
+            self._emit(self.tree.tick(time.monotonic()))
+
+    async def _send_acks(self) -> None:
+        while True:
+            await self._acks_ready.wait()
+            self._acks_ready = trio.Event()
+            if self._unsettled:
+                # Bounded: a notification can wait for a directory lock that a local
+                # commit holds while it waits for the writer (see mtcfs.fs.kernel).
+                self._unsettled = False
+                await trio.to_thread.run_sync(self._settle, KERNEL_SETTLE)
+            acks, self._acks = self._acks, []
+            for dst, msg in acks:
+                self._send(dst, msg)
 
     def status(self) -> dict[str, object]:
         s = self.stats
@@ -210,3 +250,7 @@ class Broadcaster:
             "last_timeout": s.last_timeout or None,
             "broadcast_queue": self.pending(),
         }
+
+    def tree_status(self) -> dict[str, object]:
+        return {**self.tree.status(), "hosts": len(self.counted()),
+                "send_errors": self.send_errors}

@@ -132,17 +132,20 @@ class _Span:
 class Fanout:
     def __init__(self, me: str, live: Callable[[], Sequence[str]],
                  deliver: Callable[[str, int, object], None], fanout: int = FANOUT,
-                 retry: float = RETRY) -> None:
+                 retry: float = RETRY, first_seq: int = 0) -> None:
         """`live`: the other hosts membership counts as live (alive or suspect), sorted
         by node id (Swim.live);
-        `deliver(origin, seq, payload)`: apply a batch here (once per batch)."""
+        `deliver(origin, seq, payload)`: apply a batch here (once per batch);
+        `first_seq`: this host's batches are numbered from first_seq + 1 (a restarted
+        host with the same id must not reuse the numbers of its previous life: the
+        others would take its new batches for duplicates)."""
         self.me = me
         self.live = live
         self.deliver = deliver
         self.fanout = fanout
         self.retry = retry
         self.counters = Counters()
-        self._seq = 0
+        self._seq = first_seq
         # (origin, seq) -> end -> subtree: one range of a batch, or more after a regraft
         self._flight: dict[tuple[str, int], dict[str, _Subtree]] = {}
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -152,7 +155,7 @@ class Fanout:
         # thought it dead gets those batches when it is back (a false death, a flap).
         self._routed: deque[tuple[float, str, int, str, object, int]] = deque(maxlen=ROUTED)
         self._dead_since: dict[str, float] = {}
-        self.completed = 0  # this host's batches every live host has applied, in order
+        self.completed = first_seq  # this host's batches applied everywhere, in order
         self._complete: set[int] = set()  # completed out of order, above `completed`
 
     # -- the writer --------------------------------------------------------------------
@@ -321,6 +324,18 @@ class Fanout:
 
     def in_flight(self) -> int:
         return sum(len(r) for r in self._flight.values())
+
+    def own_in_flight(self) -> list[object]:
+        """The payloads of this host's batches not complete yet."""
+        return [t.payload for (origin, _), ranges in self._flight.items()
+                if origin == self.me for t in ranges.values() if not t.repair]
+
+    def waiting_on(self, upto: int) -> set[str]:
+        """The children that have not acked one of this host's batches up to `upto`
+        (each answers for its range: a host below it may be the one missing)."""
+        return {child for (origin, seq), ranges in self._flight.items()
+                if origin == self.me and seq <= upto
+                for t in ranges.values() if not t.repair for child in t.children}
 
     def _remember_seen(self, batch: tuple[str, int]) -> None:
         self._remember(self._seen, batch)

@@ -208,6 +208,7 @@ class Membership:
             if addr not in self.peers:
                 self.peers[addr] = Peer(addr, _Channel(addr, self.tls))
                 self.swim.add(addr)
+                self._ring_version += 1
                 log.info("peer %s added", addr)
                 if self.endpoint is not None:
                     self.hello(addr)
@@ -223,6 +224,11 @@ class Membership:
                 log.info("peer %s removed", addr)
                 self._ring_version += 1
                 self.events.peers_changed()
+
+    @property
+    def version(self) -> int:
+        """Bumped whenever a peer is added, removed, or changes between alive and dead."""
+        return self._ring_version
 
     def live(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.alive]

@@ -161,6 +161,26 @@ def check_entry(e: pb.Entry) -> None:
         raise BadRequest("an entry cannot be its own parent")
 
 
+MAX_ADDRESS = 300  # host:port, or a range's end (an address and a NUL)
+
+
+def check_tree(m: pb.TreeMessage) -> None:
+    """A message down or up a dissemination tree (mtcfs.peer.fanout)."""
+    for what, value in (("sender", m.from_node), ("origin", m.origin), ("range end", m.end),
+                        ("range start", m.start)):
+        if len(value) > MAX_ADDRESS:
+            raise BadRequest(f"{what} too long")
+    if not m.from_node or not m.origin:
+        raise BadRequest("a tree message names its sender and the batch's writer")
+    if m.seq < 1 or m.seq >= MAX_COUNTER:
+        raise BadRequest("batch number out of range")
+    if m.ack:
+        if not m.start:
+            raise BadRequest("an ack names its range")
+    else:
+        check_batch(m.batch)
+
+
 def check_batch(batch: pb.ChangeBatch) -> None:
     check_node_id(batch.from_node, "sender")
     if len(batch.entries) > MAX_ENTRIES_PER_BATCH:

@@ -50,6 +50,7 @@ class PeerHandler(Protocol):
     def needs_poke(self, listen: str) -> bool: ...
     def poke(self, listen: str) -> None: ...  # trio
     def on_batch(self, batch: pb.ChangeBatch) -> int: ...  # trio
+    def on_tree(self, request: pb.TreeMessage) -> None: ...  # trio
     def kernel_settle(self, timeout: float) -> bool: ...
     def snapshot_for(self, from_node: str, listen: str) -> list[pb.Entry]: ...  # trio
     def held(self) -> list[pb.HeldFile]: ...  # trio
@@ -102,6 +103,15 @@ class PeerService(pb_grpc.PeerServicer):
         # local commit holds while it waits for the sender; see mtcfs.fs.kernel).
         self.tier.kernel_settle(KERNEL_SETTLE)
         return pb.BatchReply(applied=applied, lamport=self.tier.lamport())
+
+    def Forward(self, request: pb.TreeMessage, context: grpc.ServicerContext) -> pb.OneWay:
+        # Handed over and answered at once: the tree's ack is a message of its own.
+        try:
+            security.check_tree(request)
+            self._in_trio(self.tier.on_tree, request)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.OneWay()
 
     def Snapshot(self, request: pb.SnapshotRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.ChangeBatch]:

@@ -1,7 +1,8 @@
 """The peer tier: this host's part in the job's one filesystem.
 
-- The replicated index (mtcfs.peer.index) is kept in step by broadcasting
-  local changes in small batches, one ordered queue per peer.
+- The replicated index (mtcfs.peer.index) is kept in step by sending local
+  changes in batches down a tree of the live hosts (mtcfs.peer.dissemination:
+  each host forwards to a few), acknowledged back up it.
 - Each sealed file is pushed to K peers (mtcfs.peer.placement), in the
   background, with bounded concurrency; a replica counts once the receiver
   has verified it and stored it in its RAM tier.
@@ -39,16 +40,17 @@ from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.fs.writeclock import WriteClock
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.retired import RetiredSteps
-from mtcfs.peer import mover, placement, restore
+from mtcfs.peer import fanout, mover, placement, restore, security, wire
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
-from mtcfs.peer.dissemination import Broadcaster, SendFailed
+from mtcfs.peer.dissemination import Broadcaster
 from mtcfs.peer.index import Hooks, ReplicatedIndex
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.security import BadRequest, check_entry
 from mtcfs.peer.server import Refused, start_server
 from mtcfs.peer.striped import Progress, Striped
 from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 from mtcfs.tiers.durable import DurableTier
 from mtcfs.tiers.durable.base import chunk_plan
 from mtcfs.tiers.ram import RamTier
@@ -56,6 +58,7 @@ from mtcfs.tiers.ram import RamTier
 log = logging.getLogger(__name__)
 
 BROADCAST_TIMEOUT = 5.0
+DRAIN_WAIT = 2.0  # a push waits this long at most for its file's entry to be everywhere
 SNAPSHOT_TIMEOUT = 60.0
 STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
 MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between slices)
@@ -158,7 +161,10 @@ class PeerTier(Listener):
         self.failure_domain = failure_domain
         self.commit_timeout = commit_timeout
         self.index = ReplicatedIndex(ns, node_id, _Applied(self), copies)
-        self.broadcaster = Broadcaster(self.members, self._send_batch, commit_timeout)
+        self.broadcaster = Broadcaster(self.members, node_id, lambda: self.index.clock,
+                                       self._send_tree, self._deliver, kernel.settle,
+                                       commit_timeout)
+        self._strangers: dict[str, pb_grpc.PeerStub] = {}  # senders not among our peers
         self.index.outbox = self.broadcaster.publish
         self.stats = Stats()
         self.server: grpc.Server | None = None
@@ -204,12 +210,13 @@ class PeerTier(Listener):
         me.ready = False
         self.members.open()
         nursery.start_soon(self.members.run)
+        # Batches reach this host while it joins: their acks must not wait for it.
+        nursery.start_soon(self.broadcaster.run)
         await self._join()
         me.ready = True
         self._started = True
         self._requeue_unreplicated()
         nursery.start_soon(self._share_write_clock)
-        nursery.start_soon(self.broadcaster.run)
         for _ in range(REPLICATION_WORKERS):
             nursery.start_soon(self._replication_worker)
 
@@ -402,20 +409,40 @@ class PeerTier(Listener):
 
     # -- broadcast -------------------------------------------------------------------
 
-    async def _send_batch(self, p: Peer, batch: list[pb.Entry]) -> None:
-        msg = pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock, entries=batch)
-        try:
-            await trio.to_thread.run_sync(
-                partial(p.stub.Broadcast, msg, timeout=BROADCAST_TIMEOUT,
-                        metadata=self.members.metadata, wait_for_ready=True),
-                limiter=self._limiter)
-        except grpc.RpcError as e:
-            self.members.failed(p, f"broadcast: {e.code().name}")
-            raise SendFailed from None
+    def _send_tree(self, addr: str, msg: fanout.Message) -> None:
+        """One message down or up a tree, one way: not waited for (a lost one is sent
+        again by the tree), so the trio thread never blocks on a peer."""
+        p = self.members.peers.get(addr)
+        if p is not None:
+            stub = p.stub
+        else:  # a host of the job not in our peers list (it has the token) sent to us
+            stub = self._strangers.get(addr)
+            if stub is None:
+                if len(self._strangers) > 64:
+                    self._strangers.clear()
+                stub = self._strangers[addr] = pb_grpc.PeerStub(
+                    security.open_channel(addr, self.tls))
+        call = stub.Forward.future(wire.tree_to_pb(self.members.me, msg),
+                                   timeout=BROADCAST_TIMEOUT, metadata=self.members.metadata)
+        call.add_done_callback(self._tree_sent)
+
+    def _tree_sent(self, call: grpc.Future) -> None:
+        # In a gRPC thread: count only (the tree resends; SWIM finds the dead).
+        if call.exception() is not None:
+            self.broadcaster.send_errors += 1
+
+    def on_tree(self, request: pb.TreeMessage) -> None:
+        """A batch down a tree, or an ack up it (in the trio thread, from the server)."""
+        src, msg = wire.tree_from_pb(request)
+        self.broadcaster.on_message(src, msg)
+
+    def _deliver(self, batch: pb.ChangeBatch) -> None:
+        self.stats.batches_received += 1
+        self._apply(list(batch.entries))
 
     def on_batch(self, batch: pb.ChangeBatch) -> int:
-        """A batch from a peer (called in the trio thread by the server); applied
-        before the server answers, so the answer tells the sender it arrived."""
+        """A batch sent to this host alone (the Broadcast RPC: tools, older daemons);
+        applied before the server answers."""
         self.stats.batches_received += 1
         return self._apply(list(batch.entries))
 
@@ -528,11 +555,11 @@ class PeerTier(Listener):
                 self.copies.replica_made(node, target.node_id)
 
     async def _drained(self, p: Peer) -> None:
-        """Wait (bounded) until the changes queued for p have reached it: a replica
-        is refused by a receiver that does not know the file's directory yet."""
-        deadline = time.monotonic() + BROADCAST_TIMEOUT
-        while not self.broadcaster.drained(p) and p.alive and time.monotonic() < deadline:
-            self.broadcaster.kick()
+        """Wait (bounded) until this host's changes have reached every host: a receiver
+        that does not know a replica's directory yet holds its entry aside until the
+        directory arrives."""
+        deadline = time.monotonic() + DRAIN_WAIT
+        while not self.broadcaster.quiet() and p.alive and time.monotonic() < deadline:
             await trio.sleep(0.005)
 
     async def _push(self, node: Inode, p: Peer) -> bool:
@@ -1014,6 +1041,7 @@ class PeerTier(Listener):
             "broadcast_queue": self.broadcaster.pending(),
             "batches_sent": self.broadcaster.stats.batches_sent,
             "entries_sent": self.broadcaster.stats.entries_sent,
+            "tree": self.broadcaster.tree_status(),
             "index": self.index.status(),
             "data_port": self.data_port or None,
             "data_channel": self.bulk_server.status() if self.bulk_server is not None else None,
