@@ -1,42 +1,41 @@
 """Index-only peer nodes for the index-scale benchmark (bench/peers.py): many
-`PeerTier`s without FUSE in one process, driven over stdin/stdout.
+in-process mounts without FUSE in one process, driven over stdin/stdout.
 
     .venv/bin/python bench/peers_index.py     (started by bench/peers.py)
 
 The first line on stdin is the configuration (JSON):
 
-    {"root": DIR, "secret": TOKEN, "membership": {NAME: VALUE, ...},
+    {"root": DIR, "token_file": PATH, "membership": {NAME: VALUE, ...},
      "mine": [[node_id, port], ...], "all": [[node_id, port], ...]}
 
-Each node of "mine" gets what a daemon has, minus FUSE: a MetaStore file and a
-RamTier under DIR/<node_id> (DIR on /dev/shm, as a RAM dir), a Namespace, and a
-PeerTier listening on 127.0.0.1:<port> with every other node of "all" as its
-peers (replicas 0: the index only), started with `await tier.start(nursery)`:
-its gRPC server, health loop and broadcast loop run as in a daemon.
-The module constants of mtcfs.peer.membership named in "membership" (e.g.
-HEALTH_INTERVAL, RETRY_INTERVAL) are set first: the bench slows the health
-loops of the process that hosts dozens of nodes.
+Each node of "mine" is a mount's parts as the daemon builds them
+(mtcfs.assembly.build, as tests/nofuse does: no kernel, so no FUSE): a
+MetaStore and a RAM tier under DIR/<node_id> (DIR on /dev/shm), and a peer
+tier listening on 127.0.0.1:<port> with every other node of "all" as its
+peers (replicas 0, no data channel: the index only), started as a daemon
+starts it: its gRPC server, SWIM membership and dissemination tree run as in
+a daemon. The module constants of mtcfs.peer.membership named in
+"membership" are set first.
 
 Then one request per line, one JSON reply per line ("ready" first):
 
 - {"op": "go", "dirs": D, "files": F, "tag": T, "mode": "burst"|"trickle"}
   on the writer (the first node of "mine"): D new directories with F closed
   files each, each one made with ns.new_inode and announced with
-  tier.index.changed(), as the filesystem does at mkdir and seal. "burst":
-  all in one go (one batch per peer); "trickle": the event loop runs between
-  two changes, as between two FUSE requests. Reply: {"t0": monotonic start}.
+  index.changed(), as the filesystem does at mkdir and seal. "burst": all in
+  one go; "trickle": the event loop runs between two changes, as between two
+  FUSE requests. Then the commit rule: wait_applied, as an fsync or a step's
+  commit does. Reply: {"t0": monotonic start, "made_s", "commit_s": from t0
+  until wait_applied returned, "late": the hosts it did not hear from}.
 - {"op": "expect", "entries": E}: reply once every node here holds E entries
   (checked after each batch a node applies): {"first"/"last": monotonic time
   the first/last node got there, "cpu"/"seconds": CPU/wall seconds of this
-  process since the request,
-  "batches": batches received}.
-- {"op": "stats"}: on the writer, once its broadcast queues are empty: CPU
-  seconds since "go", batches and entries sent, bytes of the ChangeBatch
-  messages sent.
-- {"op": "idle", "seconds": S, "membership": {...}, "settle": W}: set those
-  constants (a health loop asleep picks them up when it wakes), wait W
-  seconds, then CPU seconds of this process per second over S, Health RPCs
-  its nodes answered per second, and the constants now in effect.
+  process since the request, "batches": batches received}.
+- {"op": "stats"}: on the writer, once its batches reached every host: CPU
+  seconds since "go", batches and entries published, messages and bytes of the
+  tree messages it sent (forwards and acks).
+- {"op": "idle", "seconds": S, "settle": W}: wait W seconds, then CPU seconds
+  of this process per second over S, and the datagrams its nodes sent per second.
 - {"op": "lookup", "rounds": R}: time ns.child() (one name in a directory) and
   a three-level path walk over every name here, R rounds: ns per call.
 - {"op": "quit"}.
@@ -56,11 +55,13 @@ from typing import Any
 
 import trio
 
-from mtcfs.fs.namespace import CLOSED, ROOT, Namespace
+from mtcfs.assembly import Mount, build, open_ram
+from mtcfs.config import build_options
+from mtcfs.fs.kernel import KernelCache
+from mtcfs.fs.namespace import CLOSED, ROOT
+from mtcfs.fs.passthrough import Passthrough
 from mtcfs.meta.store import MetaStore
-from mtcfs.peer import membership
-from mtcfs.peer.tier import PeerTier
-from mtcfs.tiers.ram import RamTier
+from mtcfs.peer import membership, wire
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -69,56 +70,72 @@ def _reply(obj: dict[str, Any]) -> None:
 
 
 class Node:
-    def __init__(self, root: str, node_id: str, port: int, peers: list[str], secret: bytes):
+    def __init__(self, root: str, node_id: str, port: int, peers: list[str],
+                 token_file: str) -> None:
         d = os.path.join(root, node_id)
-        os.makedirs(d, exist_ok=True)
+        mnt = os.path.join(root, f"mnt-{node_id}")
+        os.makedirs(mnt, exist_ok=True)
+        opts = build_options(mnt, {
+            "ram_dir": d, "ram_size": "64MiB", "node_id": node_id, "data_path": "fuse",
+            "listen": f"127.0.0.1:{port}", "peers": ",".join(peers),
+            "token_file": token_file, "replicas": 0, "data_connections": 0,
+            "commit_timeout": 30.0}, None)
         self.store = MetaStore(os.path.join(d, "meta.db"))
-        self.ns = Namespace(self.store)
-        self.ram = RamTier(d, 1 << 30)
-        self.tier = PeerTier(
-            self.ns, self.ram, node_id, f"127.0.0.1:{port}", peers, None, 0, secret, None
-        )
+        kernel = KernelCache(lambda parent, name: None, lambda ino: None)  # no kernel
+        self.mount: Mount = build(opts, self.store, open_ram(opts, own_tmpfs=False), kernel,
+                                  Passthrough.unused())
+        self.ns = self.mount.ns
+        tier = self.mount.peers
+        assert tier is not None
+        self.tier = tier
         self.target = 0
         self.reached: float | None = None
-        self.sent: list[Any] = []  # the ChangeBatch messages sent (sized after the run)
-        on_batch = self.tier.on_batch
+        self.done = trio.Event()
+        self.sent_messages = 0
+        self.sent_bytes = 0
+        # A tree (this mtcfs) or per-peer streams (before it: the A/B of docs/peers.md).
+        self.tree = hasattr(tier.broadcaster, "tree")
+        owner, name = (tier.broadcaster, "_deliver") if self.tree else (tier, "on_batch")
+        deliver = getattr(owner, name)
 
-        def counted(batch: Any) -> int:
-            n = on_batch(batch)
+        def counted(batch: Any) -> Any:
+            out = deliver(batch)
             if self.reached is None and self.entries() >= self.target:
                 self.reached = time.monotonic()
                 self.done.set()
-            return n
+            return out
 
-        self.tier.on_batch = counted  # type: ignore[method-assign]
-        self.done = trio.Event()
-        self.health_served = 0  # Health RPCs this node answered
-        health_reply = self.tier.health_reply
-
-        def answered() -> Any:
-            self.health_served += 1
-            return health_reply()
-
-        self.tier.health_reply = answered  # type: ignore[method-assign]
+        setattr(owner, name, counted)
 
     def entries(self) -> int:
         return len(self.ns.inodes) - 1  # the root is no entry
 
     def count_sends(self) -> None:
-        """Keep each Broadcast request, to size it after the timed part."""
-        for p in self.tier.members.peers.values():
-            call = p.stub.Broadcast
+        """Count the messages this node sends, and their bytes."""
+        if not self.tree:
+            for p in self.tier.members.peers.values():
+                call = p.stub.Broadcast
 
-            def wrapped(msg: Any, _call: Any = call, **kw: Any) -> Any:
-                self.sent.append(msg)
-                return _call(msg, **kw)
+                def wrapped(msg: Any, _call: Any = call, **kw: Any) -> Any:
+                    self.sent_messages += 1
+                    self.sent_bytes += msg.ByteSize()
+                    return _call(msg, **kw)
 
-            p.stub.Broadcast = wrapped
+                p.stub.Broadcast = wrapped
+            return
+        send = self.tier._send_tree
+        me = self.tier.members.me
+
+        def counted(addr: str, msg: Any, attempt: int = 0) -> None:
+            self.sent_messages += 1
+            self.sent_bytes += wire.tree_size(me, msg)
+            send(addr, msg, attempt)
+
+        self.tier.broadcaster._send = counted
 
     def close(self) -> None:
-        self.tier.stop()
-        self.ram.close()
-        self.store.close()
+        self.mount.stop()
+        self.mount.close()
 
 
 def _set_membership(values: dict[str, float]) -> None:
@@ -191,19 +208,18 @@ def _lookup(node: Node, rounds: int) -> dict[str, float]:
 
 async def _serve(cfg: dict[str, Any]) -> None:
     _set_membership(cfg.get("membership") or {})
-    secret = str(cfg["secret"]).encode()
     addrs = [f"127.0.0.1:{port}" for _, port in cfg["all"]]
     nodes: list[Node] = []
     try:
         async with trio.open_nursery() as nursery:
             for node_id, port in cfg["mine"]:
                 me = f"127.0.0.1:{port}"
-                nodes.append(
-                    Node(cfg["root"], node_id, port, [a for a in addrs if a != me], secret)
-                )
+                nodes.append(Node(cfg["root"], node_id, port, [a for a in addrs if a != me],
+                                  cfg["token_file"]))
             t0 = time.monotonic()
-            for n in nodes:
-                await n.tier.start(nursery)
+            async with trio.open_nursery() as starting:  # each waits for its peers
+                for n in nodes:
+                    starting.start_soon(n.mount.start_peers, nursery)
             writer = nodes[0]
             writer.count_sends()
             _reply(
@@ -217,6 +233,7 @@ async def _serve(cfg: dict[str, Any]) -> None:
                 }
             )
             cpu0 = time.process_time()
+            s0 = (0, 0, 0, 0)
             while True:
                 line = await _readline()
                 if not line:
@@ -225,23 +242,26 @@ async def _serve(cfg: dict[str, Any]) -> None:
                 op = req["op"]
                 if op == "go":
                     cpu0 = time.process_time()
-                    writer.sent.clear()
-                    s0 = (writer.tier.broadcaster.stats.batches_sent,
-                          writer.tier.broadcaster.stats.entries_sent)
+                    st = writer.tier.broadcaster.stats
+                    s0 = (st.batches_sent, st.entries_sent, writer.sent_messages,
+                          writer.sent_bytes)
                     t = time.monotonic()
                     await _make(writer, req)
-                    _reply({"t0": t, "made_s": time.monotonic() - t})
+                    made = time.monotonic() - t
+                    late = await writer.tier.wait_applied("bench commit")
+                    _reply({"t0": t, "made_s": made, "commit_s": time.monotonic() - t,
+                            "late": late})
                 elif op == "stats":
-                    while writer.tier.broadcaster.pending():
+                    while not writer.tier.broadcaster.quiet():
                         await trio.sleep(0.001)
-                    cpu = time.process_time() - cpu0
                     st = writer.tier.broadcaster.stats
                     _reply(
                         {
-                            "cpu": cpu,
+                            "cpu": time.process_time() - cpu0,
                             "batches": st.batches_sent - s0[0],
                             "entries": st.entries_sent - s0[1],
-                            "bytes": sum(m.ByteSize() for m in writer.sent),
+                            "messages": writer.sent_messages - s0[2],
+                            "bytes": writer.sent_bytes - s0[3],
                         }
                     )
                 elif op == "expect":
@@ -270,17 +290,18 @@ async def _serve(cfg: dict[str, Any]) -> None:
                         }
                     )
                 elif op == "idle":
-                    _set_membership(req.get("membership") or {})
                     await trio.sleep(float(req.get("settle", 1.5)))
-                    c = time.process_time()
-                    h = sum(n.health_served for n in nodes)
+
+                    def datagrams() -> int:
+                        return sum(n.tier.members.endpoint.sent for n in nodes
+                                   if n.tier.members.endpoint is not None)
+
+                    c, g = time.process_time(), datagrams()
                     await trio.sleep(float(req["seconds"]))
                     _reply(
                         {
                             "cpu_per_s": (time.process_time() - c) / float(req["seconds"]),
-                            "health_served_per_s": (sum(n.health_served for n in nodes) - h)
-                            / float(req["seconds"]),
-                            "membership": _membership_constants(),
+                            "datagrams_per_s": (datagrams() - g) / float(req["seconds"]),
                         }
                     )
                 elif op == "lookup":
@@ -295,7 +316,14 @@ async def _serve(cfg: dict[str, Any]) -> None:
 
 def main() -> int:
     cfg = json.loads(sys.stdin.readline())
-    trio.run(_serve, cfg)
+    profile = os.environ.get("MTCFS_INDEX_PROFILE")  # a path: cProfile of the trio thread
+    if profile and len(cfg["mine"]) > 1:
+        import cProfile
+
+        cProfile.runctx("trio.run(_serve, cfg)", globals(), {"cfg": cfg, "trio": trio,
+                                                            "_serve": _serve}, profile)
+    else:
+        trio.run(_serve, cfg)
     return 0
 
 

@@ -20,8 +20,11 @@ away: routers resend what they routed without it if it is back within
 fanout.REPAIR_WINDOW, and otherwise it catches up by snapshot (the peer
 tier's catch-up when a host comes back).
 
-Changes published in the same turn of the trio loop go out as one batch (up
-to MAX_BATCH entries). Runs in the daemon's trio thread; the sending (a
+Changes are coalesced into batches (up to MAX_BATCH entries) as the old
+per-peer streams did: a batch leaves at once when none of this host's is on
+its way, else when the one on its way completes, when MAX_BATCH entries wait,
+when a commit waits, or after LINGER. A thousand changes made one by one cost
+a few batches, not a thousand trees. Runs in the daemon's trio thread; the sending (a
 one-way gRPC call per message) is the peer tier's.
 """
 
@@ -41,8 +44,16 @@ from mtcfs.peer.v1 import peer_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 500  # entries per batch: each batch is applied in one go
+DEGREE = fanout.FANOUT  # hosts a host forwards a batch to (read when a tier is made)
 TICK = 0.05  # seconds between retries' checks
 KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its batch
+LINGER = 0.02  # seconds a change waits at most for the batch before it to complete
+# A message whose call failed is sent again after RESEND (at most RESENDS times); one
+# whose call succeeded was handed to the receiver (gRPC runs over TCP), so the tree's
+# own timer only guards against what is lost after that (a receiver that died).
+RESEND = 0.1
+RESENDS = 3
+TREE_RETRY = 5.0  # then every 10 s
 
 
 @dataclass
@@ -58,14 +69,14 @@ class Stats:
 
 class Broadcaster:
     def __init__(self, members: Membership, node_id: str, clock: Callable[[], int],
-                 send: Callable[[str, fanout.Message], None],
+                 send: Callable[[str, fanout.Message, int], None],
                  deliver: Callable[[pb.ChangeBatch], None],
                  settle: Callable[[float], bool], commit_timeout: float,
-                 degree: int = fanout.FANOUT) -> None:
-        """`send(address, message)`: one message to one host (the tier's gRPC call,
-        fire and forget: a lost one is sent again); `deliver(batch)`: apply another
-        host's batch here; `settle(timeout)`: wait (in a worker thread) until the
-        kernel dropped what it caches of the names applied so far."""
+                 degree: int | None = None) -> None:
+        """`send(address, message, attempt)`: one message to one host (the tier's gRPC
+        call, not waited for; send_failed is called if it fails); `deliver(batch)`:
+        apply another host's batch here; `settle(timeout)`: wait (in a worker thread)
+        until the kernel dropped what it caches of the names applied so far."""
         self.members = members
         self.node_id = node_id
         self.clock = clock
@@ -75,8 +86,11 @@ class Broadcaster:
         self.commit_timeout = commit_timeout
         self.stats = Stats()
         # Numbered from the start time in µs: never a number of a previous life's.
-        self.tree = fanout.Fanout(members.me, self._live, self._apply, fanout=degree,
+        self.tree = fanout.Fanout(members.me, self._live, self._apply,
+                                  fanout=degree or DEGREE,
+                                  retry=TREE_RETRY, max_backoff=1,
                                   first_seq=time.time_ns() // 1000)
+        self._nursery: trio.Nursery | None = None
         self._buffer: list[pb.Entry] = []
         self._wake = trio.Event()
         self._progress = trio.Event()  # set on every completed batch and membership change
@@ -171,7 +185,7 @@ class Broadcaster:
                 self._acks.append((dst, msg))
                 self._acks_ready.set()
             else:
-                self._send(dst, msg)
+                self._send(dst, msg, 0)
 
     def _notify(self) -> None:
         self._progress.set()
@@ -214,12 +228,31 @@ class Broadcaster:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._send_acks)
             nursery.start_soon(self._retry)
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
+                # Let changes gather while a batch of ours is on its way (bounded).
+                with trio.move_on_after(LINGER):
+                    while (self._buffer and len(self._buffer) < MAX_BATCH
+                           and self.tree.own_in_flight()):
+                        await self._progress.wait()
                 self._flush()
+
+    def send_failed(self, dst: str, msg: fanout.Message, attempt: int) -> None:
+        """A call carrying `msg` failed (in the trio thread): send it again shortly,
+        unless the host is no longer one of the trees'."""
+        self.send_errors += 1
+        if attempt < RESENDS and self._nursery is not None:
+            self._nursery.start_soon(self._resend, dst, msg, attempt + 1)
+
+    async def _resend(self, dst: str, msg: fanout.Message, attempt: int) -> None:
+        await trio.sleep(RESEND * attempt)
+        p = self.members.peers.get(dst)
+        if p is None or not p.dead:
+            self._send(dst, msg, attempt)
 
     async def _retry(self) -> None:
         while True:
@@ -237,7 +270,7 @@ class Broadcaster:
                 await trio.to_thread.run_sync(self._settle, KERNEL_SETTLE)
             acks, self._acks = self._acks, []
             for dst, msg in acks:
-                self._send(dst, msg)
+                self._send(dst, msg, 0)
 
     def status(self) -> dict[str, object]:
         s = self.stats

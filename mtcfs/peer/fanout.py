@@ -132,7 +132,7 @@ class _Span:
 class Fanout:
     def __init__(self, me: str, live: Callable[[], Sequence[str]],
                  deliver: Callable[[str, int, object], None], fanout: int = FANOUT,
-                 retry: float = RETRY, first_seq: int = 0) -> None:
+                 retry: float = RETRY, first_seq: int = 0, max_backoff: int = 4) -> None:
         """`live`: the other hosts membership counts as live (alive or suspect), sorted
         by node id (Swim.live);
         `deliver(origin, seq, payload)`: apply a batch here (once per batch);
@@ -144,8 +144,9 @@ class Fanout:
         self.deliver = deliver
         self.fanout = fanout
         self.retry = retry
+        self.max_backoff = max_backoff  # resends wait up to retry * 2**max_backoff
         self.counters = Counters()
-        self._seq = first_seq
+        self._seq = self._first = first_seq
         # (origin, seq) -> end -> subtree: one range of a batch, or more after a regraft
         self._flight: dict[tuple[str, int], dict[str, _Subtree]] = {}
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -278,7 +279,7 @@ class Fanout:
         out: Out = []
         for key, t in self._subtrees():
             for child, c in t.children.items():
-                if now >= c.sent + self.retry * (1 << min(c.tries, 4)):
+                if now >= c.sent + self.retry * (1 << min(c.tries, self.max_backoff)):
                     c.sent, c.tries = now, c.tries + 1
                     self.counters.retries += 1
                     out.append(self._forward(child, key, t, c.end))
@@ -347,5 +348,5 @@ class Fanout:
             d.popitem(last=False)
 
     def status(self) -> dict[str, object]:
-        return {"in_flight": self.in_flight(), "published": self._seq,
-                "completed": self.completed, **vars(self.counters)}
+        return {"in_flight": self.in_flight(), "published": self._seq - self._first,
+                "completed": self.completed - self._first, **vars(self.counters)}

@@ -17,6 +17,7 @@ Runs in the daemon's trio thread; blocking gRPC calls run in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -409,7 +410,7 @@ class PeerTier(Listener):
 
     # -- broadcast -------------------------------------------------------------------
 
-    def _send_tree(self, addr: str, msg: fanout.Message) -> None:
+    def _send_tree(self, addr: str, msg: fanout.Message, attempt: int = 0) -> None:
         """One message down or up a tree, one way: not waited for (a lost one is sent
         again by the tree), so the trio thread never blocks on a peer."""
         p = self.members.peers.get(addr)
@@ -424,12 +425,14 @@ class PeerTier(Listener):
                     security.open_channel(addr, self.tls))
         call = stub.Forward.future(wire.tree_to_pb(self.members.me, msg),
                                    timeout=BROADCAST_TIMEOUT, metadata=self.members.metadata)
-        call.add_done_callback(self._tree_sent)
+        token = trio.lowlevel.current_trio_token()
 
-    def _tree_sent(self, call: grpc.Future) -> None:
-        # In a gRPC thread: count only (the tree resends; SWIM finds the dead).
-        if call.exception() is not None:
-            self.broadcaster.send_errors += 1
+        def sent(call: grpc.Future) -> None:  # in a gRPC thread
+            if call.exception() is not None:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(self.broadcaster.send_failed, addr, msg, attempt)
+
+        call.add_done_callback(sent)
 
     def on_tree(self, request: pb.TreeMessage) -> None:
         """A batch down a tree, or an ack up it (in the trio thread, from the server)."""
