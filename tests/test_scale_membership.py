@@ -109,3 +109,39 @@ def test_per_host_cost_does_not_grow_with_the_job() -> None:
 
     small, big = messages_per_host_s(20), messages_per_host_s(160)
     assert big < small * 1.3  # all-to-all health checks would be 8x
+
+
+def test_a_host_whose_loop_runs_late_slows_down_and_recovers() -> None:
+    """Lifeguard's local health: ticks that come late (the host's event loop was busy)
+    raise its score, so it probes less often and gives its suspects longer; probes
+    answered in time bring it back to normal."""
+    a = swim.Swim("a", ["b", "c", "d"], swim.Recorder(), random.Random(2))
+    t = 0.0
+
+    def run(seconds: float, step: float) -> int:
+        """Tick every `step` s; every ping is answered at once. Returns the probes."""
+        nonlocal t
+        probes = 0
+        end = t + seconds
+        while t < end:
+            t += step
+            for dst, m in a.tick(t):
+                if m.kind == swim.PING:
+                    probes += 1
+                    a.on_message(dst, swim.Message(swim.ACK, seq=m.seq, target=dst), t)
+        return probes
+
+    healthy = run(20.0, swim.TICK)
+    assert a.health == 0 and healthy >= 30, healthy
+    busy = run(20.0, 0.5)  # every tick 0.45 s late
+    assert a.health >= 4, a.health
+    assert busy < healthy / 2, (busy, healthy)
+    assert a.status()["late_ticks"] > 0
+    # Unhealthy, it gives a suspect longer before declaring it dead.
+    a.on_message("b", swim.Message(swim.GOSSIP, updates=(swim.Update("c", swim.SUSPECT, 0),)), t)
+    cfg = swim.SwimConfig()
+    assert a.members["c"].suspect_deadline - t >= cfg.suspicion_timeout(4) * 4
+    a.on_message("c", swim.Message(swim.GOSSIP, incarnation=1), t)  # c refutes
+    run(120.0, swim.TICK)
+    assert a.health == 0
+    assert all(a.state_of(n) == swim.ALIVE for n in "bcd")

@@ -30,6 +30,16 @@ refinements of HashiCorp memberlist where noted):
   was cut off (a partition) learns it was declared dead, refutes, and rejoins.
 - A starting host sends SYNC to one live host and gets the whole member list
   back (push-pull state sync, once).
+- Local health (Lifeguard's local health multiplier): a host that sees signs
+  that it is the slow one — it had to refute a suspicion of itself, or its
+  driver called tick() late (its event loop was busy) — raises its health
+  score (0 to `max_health`); each probe answered in time lowers it. (A probe
+  that failed is not counted against it, as Lifeguard does when no nack came
+  back: SWIM here has no nacks, and hosts probing a host that did die must
+  not slow down.) Its probe interval, ack timeout, probe deadline and the
+  time it gives its own suspects before declaring them dead are multiplied
+  by score + 1: an overloaded host stops accusing healthy ones, and healthy
+  hosts judge it on their own timers.
 
 So per host and per second: about 1/period + 1/partner_period probes, their
 acks, and a bounded amount of gossip, whatever the number of hosts.
@@ -82,6 +92,8 @@ class SwimConfig:
     retransmit_mult: int = 2
     max_piggyback: int = 24  # updates per message
     dead_probe_interval: float = 2.0
+    max_health: int = 8  # local health score ceiling: timeouts stretch up to 9x
+    late_tick: float = 0.25  # tick() this much later than TICK: this host is the slow one
 
     def suspicion_timeout(self, n: int) -> float:
         return self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.period
@@ -133,6 +145,7 @@ class Counters:
     suspicions: int = 0
     refutations: int = 0
     deaths: int = 0
+    late_ticks: int = 0
 
 
 Out = list[tuple[str, Message]]
@@ -173,6 +186,8 @@ class Swim:
         self._next_partner_probe = now + rng.random() * self.config.partner_period
         self._next_gossip = now
         self._next_dead_probe = now + self.config.dead_probe_interval
+        self.health = 0  # local health score (Lifeguard): 0 is healthy
+        self._last_tick = now
 
     # -- what the rest of the host asks ----------------------------------------------
 
@@ -238,19 +253,30 @@ class Swim:
 
     # -- time ------------------------------------------------------------------------
 
+    def _scale(self) -> int:
+        return self.health + 1
+
+    def _unhealthy(self) -> None:
+        self.health = min(self.config.max_health, self.health + 1)
+
     def tick(self, now: float) -> Out:
         out: Out = []
         cfg = self.config
+        if now - self._last_tick > TICK + cfg.late_tick:
+            self.counters.late_ticks += 1
+            self._unhealthy()
+        self._last_tick = now
+        scale = self._scale()
         if now >= self._next_probe:
-            self._next_probe = now + cfg.period
+            self._next_probe = now + cfg.period * scale
             target = self._next_target()
             if target:
-                out.append(self._ping(target, now, cfg.period))
+                out.append(self._ping(target, now, cfg.period * scale))
         if now >= self._next_partner_probe:
-            self._next_partner_probe = now + cfg.partner_period
+            self._next_partner_probe = now + cfg.partner_period * scale
             target = self._next_partner()
             if target and not any(p.target == target for p in self._probes.values()):
-                out.append(self._ping(target, now, cfg.period))
+                out.append(self._ping(target, now, cfg.period * scale))
         if now >= self._next_dead_probe:
             self._next_dead_probe = now + cfg.dead_probe_interval
             if self._dead:
@@ -261,7 +287,7 @@ class Swim:
             if now >= p.deadline:
                 del self._probes[seq]
                 self._suspect(p.target, now)
-            elif not p.indirect_sent and now >= p.sent + cfg.ack_timeout:
+            elif not p.indirect_sent and now >= p.sent + cfg.ack_timeout * scale:
                 p.indirect_sent = True
                 out += self._ping_req(seq, p.target)
         for seq, r in list(self._relays.items()):
@@ -367,6 +393,8 @@ class Swim:
             probe = self._probes.get(msg.seq)
             if probe is not None and probe.target == msg.target:
                 del self._probes[msg.seq]
+                if now <= probe.deadline:
+                    self.health = max(0, self.health - 1)
             return []
         if kind == PING_REQ:
             seq = self._next_seq()
@@ -387,6 +415,7 @@ class Swim:
                 # incarnation): refute with a higher incarnation.
                 self.incarnation = u.incarnation + 1
                 self.counters.refutations += 1
+                self._unhealthy()  # others found us slow
                 self._spread(Update(self.me, ALIVE, self.incarnation))
                 if u.state == DEAD and not self._resync:
                     # Cut off: the deaths it saw meanwhile are not news for others,
@@ -417,7 +446,9 @@ class Swim:
         m.state, m.incarnation = u.state, u.incarnation
         self._index(u.node, was, u.state)
         if u.state == SUSPECT:
-            m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
+            # An unhealthy host gives its suspects longer: it may be the slow one.
+            m.suspect_deadline = now + self.config.suspicion_timeout(self.size()) * \
+                self._scale()
         self._spread(u)
         if was == DEAD and u.state != DEAD:
             self.listener.member_alive(u.node)
@@ -476,6 +507,7 @@ class Swim:
     def status(self) -> dict[str, object]:
         return {
             "incarnation": self.incarnation,
+            "health": self.health,
             "alive": len(self._live) - len(self._suspects) + 1,
             "suspect": len(self._suspects),
             "dead": len(self._dead),
