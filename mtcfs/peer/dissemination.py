@@ -31,6 +31,7 @@ one-way gRPC call per message) is the peer tier's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,38 @@ RESENDS = 3
 TREE_RETRY = 5.0  # then every 10 s
 
 
+class Reply:
+    """A forward's gRPC handler waiting for the ack of the range it delivered: given
+    in the call's reply if it comes in time (one call per tree edge, not two), else
+    sent as a call of its own. Fulfilled in the trio thread, claimed in gRPC's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._abandoned = False
+
+    def fulfil(self) -> bool:
+        """The range is acked: False if the handler gave up (send the ack instead)."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._event.set()
+            return True
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
+    def wait(self, timeout: float) -> bool:
+        """In the handler's thread: True if acked in time; else the ack is sent later."""
+        self._event.wait(timeout)
+        with self._lock:
+            if self._event.is_set():
+                return True
+            self._abandoned = True
+            return False
+
+
 @dataclass
 class Stats:
     batches_sent: int = 0  # this host's batches published
@@ -65,6 +98,8 @@ class Stats:
     max_wait: float = 0.0
     timeouts: int = 0
     last_timeout: str = ""  # the peers that did not answer in time, as logged
+    acks_in_replies: int = 0  # acks that rode on a forward's reply
+    acks_received_in_replies: int = 0
 
 
 class Broadcaster:
@@ -91,6 +126,8 @@ class Broadcaster:
                                   retry=TREE_RETRY, max_backoff=1,
                                   first_seq=time.time_ns() // 1000)
         self._nursery: trio.Nursery | None = None
+        # Forward handlers waiting for their range's ack: (origin, seq, end, parent).
+        self._replies: dict[tuple[str, int, str, str], list[Reply]] = {}
         self._buffer: list[pb.Entry] = []
         self._wake = trio.Event()
         self._progress = trio.Event()  # set on every completed batch and membership change
@@ -167,10 +204,24 @@ class Broadcaster:
 
     # -- messages ----------------------------------------------------------------------
 
-    def on_message(self, src: str, msg: fanout.Message) -> None:
-        """A forward or an ack from `src` (in the trio thread, from the server)."""
+    def on_message(self, src: str, msg: fanout.Message) -> Reply | None:
+        """A forward or an ack from `src` (in the trio thread, from the server). For a
+        forward: the Reply its handler may wait on for the range's ack."""
+        reply = None
+        if isinstance(msg, fanout.Forward):
+            reply = Reply()
+            self._replies.setdefault((msg.origin, msg.seq, msg.end, src), []).append(reply)
         self._emit(self.tree.on_message(src, msg, time.monotonic()))
         if isinstance(msg, fanout.Ack):
+            self._notify()
+        return reply
+
+    def acked_in_reply(self, child: str, msg: fanout.Message) -> None:
+        """A forward's reply said `child`'s range applied it: its ack (trio thread)."""
+        if isinstance(msg, fanout.Forward):
+            self.stats.acks_received_in_replies += 1
+            ack = fanout.Ack(msg.origin, msg.seq, child, msg.end)
+            self._emit(self.tree.on_message(child, ack, time.monotonic()))
             self._notify()
 
     def _apply(self, origin: str, seq: int, payload: object) -> None:
@@ -181,6 +232,10 @@ class Broadcaster:
     def _emit(self, out: fanout.Out) -> None:
         for dst, msg in out:
             if isinstance(msg, fanout.Ack):
+                waiting = self._replies.pop((msg.origin, msg.seq, msg.end, dst), [])
+                if sum(r.fulfil() for r in waiting):
+                    self.stats.acks_in_replies += 1
+                    continue  # the reply carries it (its handler settles the kernel)
                 # "Applied here" once the kernel let go of the old names (see run).
                 self._acks.append((dst, msg))
                 self._acks_ready.set()
@@ -258,6 +313,8 @@ class Broadcaster:
         while True:
             await trio.sleep(TICK)
             self._emit(self.tree.tick(time.monotonic()))
+            for key in [k for k, rs in self._replies.items() if all(r.abandoned for r in rs)]:
+                del self._replies[key]  # their acks go as calls of their own
 
     async def _send_acks(self) -> None:
         while True:
@@ -286,4 +343,6 @@ class Broadcaster:
 
     def tree_status(self) -> dict[str, object]:
         return {**self.tree.status(), "hosts": len(self.counted()),
-                "send_errors": self.send_errors}
+                "send_errors": self.send_errors,
+                "acks_in_replies": self.stats.acks_in_replies,
+                "acks_received_in_replies": self.stats.acks_received_in_replies}

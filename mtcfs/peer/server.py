@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 KERNEL_SETTLE = 0.1  # seconds a broadcast's reply waits for its kernel notifications
+TREE_REPLY_WAIT = 1.0  # seconds a forward's handler waits to answer with the range's ack
 SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
 
 
@@ -50,7 +51,7 @@ class PeerHandler(Protocol):
     def needs_poke(self, listen: str) -> bool: ...
     def poke(self, listen: str) -> None: ...  # trio
     def on_batch(self, batch: pb.ChangeBatch) -> int: ...  # trio
-    def on_tree(self, request: pb.TreeMessage) -> None: ...  # trio
+    def on_tree(self, request: pb.TreeMessage) -> Any: ...  # trio: a Reply, or None
     def kernel_settle(self, timeout: float) -> bool: ...
     def snapshot_for(self, from_node: str, listen: str) -> list[pb.Entry]: ...  # trio
     def held(self) -> list[pb.HeldFile]: ...  # trio
@@ -104,14 +105,20 @@ class PeerService(pb_grpc.PeerServicer):
         self.tier.kernel_settle(KERNEL_SETTLE)
         return pb.BatchReply(applied=applied, lamport=self.tier.lamport())
 
-    def Forward(self, request: pb.TreeMessage, context: grpc.ServicerContext) -> pb.OneWay:
-        # Handed over and answered at once: the tree's ack is a message of its own.
+    def Forward(self, request: pb.TreeMessage,
+                context: grpc.ServicerContext) -> pb.TreeReply:
         try:
             security.check_tree(request)
-            self._in_trio(self.tier.on_tree, request)
+            reply = self._in_trio(self.tier.on_tree, request)
         except Exception as e:
             self._fail(context, e)
-        return pb.OneWay()
+        # A batch: answer with its ack if this host's range applies it within a moment
+        # (a leaf at once); else the ack follows as a call of its own.
+        if reply is None or not reply.wait(TREE_REPLY_WAIT):
+            return pb.TreeReply()
+        # "Applied here": let the kernel drop the names it caches first (bounded).
+        self.tier.kernel_settle(KERNEL_SETTLE)
+        return pb.TreeReply(acked=True)
 
     def Snapshot(self, request: pb.SnapshotRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.ChangeBatch]:

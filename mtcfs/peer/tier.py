@@ -44,7 +44,7 @@ from mtcfs.lifecycle.retired import RetiredSteps
 from mtcfs.peer import fanout, mover, placement, restore, security, wire
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
-from mtcfs.peer.dissemination import Broadcaster
+from mtcfs.peer.dissemination import Broadcaster, Reply
 from mtcfs.peer.index import Hooks, ReplicatedIndex
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.security import BadRequest, check_entry
@@ -428,16 +428,19 @@ class PeerTier(Listener):
         token = trio.lowlevel.current_trio_token()
 
         def sent(call: grpc.Future) -> None:  # in a gRPC thread
-            if call.exception() is not None:
-                with contextlib.suppress(trio.RunFinishedError):
+            with contextlib.suppress(trio.RunFinishedError):
+                if call.exception() is not None:
                     token.run_sync_soon(self.broadcaster.send_failed, addr, msg, attempt)
+                elif call.result().acked:
+                    token.run_sync_soon(self.broadcaster.acked_in_reply, addr, msg)
 
         call.add_done_callback(sent)
 
-    def on_tree(self, request: pb.TreeMessage) -> None:
-        """A batch down a tree, or an ack up it (in the trio thread, from the server)."""
+    def on_tree(self, request: pb.TreeMessage) -> Reply | None:
+        """A batch down a tree, or an ack up it (in the trio thread, from the server);
+        for a batch, what its handler may wait on to answer with the ack."""
         src, msg = wire.tree_from_pb(request)
-        self.broadcaster.on_message(src, msg)
+        return self.broadcaster.on_message(src, msg)
 
     def _deliver(self, batch: pb.ChangeBatch) -> None:
         self.stats.batches_received += 1

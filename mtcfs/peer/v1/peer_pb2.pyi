@@ -265,3 +265,9 @@ class TreeMessage(_message.Message):
 class OneWay(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TreeReply(_message.Message):
+    __slots__ = ("acked",)
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    acked: bool
+    def __init__(self, acked: _Optional[bool] = ...) -> None: ...

@@ -72,7 +72,7 @@ class PeerStub:
         self.Forward = channel.unary_unary(
                 '/mtcfs.peer.v1.Peer/Forward',
                 request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.SerializeToString,
-                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.FromString,
+                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeReply.FromString,
                 _registered_method=True)
 
 
@@ -131,7 +131,8 @@ class PeerServicer:
 
     def Forward(self, request, context):
         """A batch of index changes down a dissemination tree, or an ack up it
-        (mtcfs.peer.fanout), sent one way.
+        (mtcfs.peer.fanout). The reply to a batch is its ack when the receiver's
+        range applied it within a moment; else the ack comes as its own call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,7 +179,7 @@ def add_PeerServicer_to_server(servicer, server):
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
                     request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.FromString,
-                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.SerializeToString,
+                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,7 +397,7 @@ class Peer:
             target,
             '/mtcfs.peer.v1.Peer/Forward',
             mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.SerializeToString,
-            mtcfs_dot_peer_dot_v1_dot_peer__pb2.OneWay.FromString,
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeReply.FromString,
             options,
             channel_credentials,
             insecure,
