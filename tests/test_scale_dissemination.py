@@ -210,3 +210,19 @@ def test_a_coalesced_batch_persists_what_it_applied(tmp_path) -> None:
         again = simnet.IndexStore(name, str(tmp_path / name))
         assert tree(again) == want, name
         again.close()
+
+
+def test_a_child_that_has_the_batch_is_not_sent_it_again_for_being_slow() -> None:
+    """Over a reliable transport a returned call means the child has the batch: it is
+    waited for (or found dead), and sent it again only after DELIVERED_RETRY (it may
+    have restarted and lost it); a child whose call did not return is retried soon."""
+    live = ["b", "c"]
+    a = fanout.Fanout("a", lambda: live, lambda *x: None, fanout=2, retry=0.25)
+    seq, out = a.publish("batch", 5, 0.0)
+    assert sorted(dst for dst, _ in out) == ["b", "c"]
+    a.delivered("a", seq, "b")
+    resent = [dst for dst, _ in a.tick(1.0)]
+    assert resent == ["c"]
+    assert [dst for dst, _ in a.tick(fanout.DELIVERED_RETRY - 1)] == ["c"]
+    assert "b" in [dst for dst, _ in a.tick(fanout.DELIVERED_RETRY + 0.1)]
+    assert not a.complete(seq)

@@ -216,6 +216,12 @@ class Broadcaster:
             self._notify()
         return reply
 
+    def delivered(self, child: str, msg: fanout.Message) -> None:
+        """A forward's call to `child` returned without the ack: `child` has the batch,
+        and its ack will come as a call of its own (trio thread)."""
+        if isinstance(msg, fanout.Forward):
+            self.tree.delivered(msg.origin, msg.seq, child)
+
     def acked_in_reply(self, child: str, msg: fanout.Message) -> None:
         """A forward's reply said `child`'s range applied it: its ack (trio thread)."""
         if isinstance(msg, fanout.Forward):

@@ -52,6 +52,9 @@ RETRY = 0.25  # seconds before a child that has not acked gets the batch again
 REMEMBER = 4096  # recent batch ids kept: a late duplicate is acked, not re-applied
 ROUTED = 4096  # recent batches this host routed: resent to a host back from the dead
 REPAIR_WINDOW = 30.0  # dead longer (here): it was told, and pulls a snapshot instead
+# A child the transport says has the batch is sent it again only after this long (it
+# may have restarted and lost it); until then its ack is awaited, or its death.
+DELIVERED_RETRY = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,7 @@ class _Child:
     end: str
     sent: float
     tries: int = 0
+    delivered: bool = False  # the transport says it has the batch: its ack is to come
 
 
 @dataclass(slots=True)
@@ -273,14 +277,25 @@ class Fanout:
 
     # -- time and membership -----------------------------------------------------------
 
+    def delivered(self, origin: str, seq: int, child: str) -> None:
+        """The transport handed the batch to `child` (a reliable transport's call
+        returned): do not resend it for being slow, only after DELIVERED_RETRY."""
+        for t in self._flight.get((origin, seq), {}).values():
+            c = t.children.get(child)
+            if c is not None:
+                c.delivered = True
+
     def tick(self, now: float) -> Out:
         """Resend to children that have not acked (their subtree dedups), backing off:
         a child whose subtree waits for a host not yet found dead is not flooded."""
         out: Out = []
         for key, t in self._subtrees():
             for child, c in t.children.items():
-                if now >= c.sent + self.retry * (1 << min(c.tries, self.max_backoff)):
-                    c.sent, c.tries = now, c.tries + 1
+                wait = self.retry * (1 << min(c.tries, self.max_backoff))
+                if c.delivered:
+                    wait = max(wait, DELIVERED_RETRY)
+                if now >= c.sent + wait:
+                    c.sent, c.tries, c.delivered = now, c.tries + 1, False
                     self.counters.retries += 1
                     out.append(self._forward(child, key, t, c.end))
         return out

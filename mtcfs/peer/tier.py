@@ -433,6 +433,8 @@ class PeerTier(Listener):
                     token.run_sync_soon(self.broadcaster.send_failed, addr, msg, attempt)
                 elif call.result().acked:
                     token.run_sync_soon(self.broadcaster.acked_in_reply, addr, msg)
+                else:
+                    token.run_sync_soon(self.broadcaster.delivered, addr, msg)
 
         call.add_done_callback(sent)
 
