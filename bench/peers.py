@@ -994,6 +994,7 @@ def index_scale(ctx: Context, details: dict[str, Any]) -> list[Row]:
                 f"index: {entries:,} new entries from 1 host, commit with {r['nodes']} hosts",
                 "s",
                 [x["commit_s"] for x in r["reps"]],
+                higher_is_better=False,
                 note=f"until every host applied them (the commit rule, acks up the tree); "
                 f"on every host after {every} s, first after {first} s; the {r['nodes'] - 1} "
                 "receivers share one process (one trio thread, 2 cores), so their applies "
