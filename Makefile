@@ -17,7 +17,7 @@ TEST_WORKERS ?= 4
 
 test: bootstrap
 	$(PY) -m ruff check mtcfs tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 \
 		-m 'not image and not chaos and not serial' tests
 	$(PY) -m pytest -q -m 'serial and not image and not chaos' tests
 

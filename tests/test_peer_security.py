@@ -408,11 +408,13 @@ def test_malformed_broadcast_is_refused(node: Node, case: str) -> None:
 
 # -- Forward (a batch down a dissemination tree) with the token but malformed --------------------
 
+# A forward's batch goes through the same checks as a Broadcast's (above): a few of
+# those cases here, and what is a tree message's own.
 BAD_FORWARDS: dict[str, Callable[[], pb.TreeMessage]] = {
-    **{f"batch with {case}": (lambda make=make: forward(make()))
-       for case, make in BAD_BATCHES.items()
-       if case not in ("20000 entries",)},  # one oversize case is enough: below
-    "batch of 20000 entries": lambda: forward(BAD_BATCHES["20000 entries"]()),
+    **{f"batch with {case}": (lambda make=BAD_BATCHES[case]: forward(make()))
+       for case in ("name ..", "id ../x", "entry for the root", "parent ../x",
+                    "holder ../x", "sender a/b", "lamport 2**64-1", "20000 entries",
+                    "a good entry, then a bad one")},
     "batch number 0": lambda: forward(good_batch(), seq=0),
     "batch number 2**63": lambda: forward(good_batch(), seq=2**63),
     "no sender": lambda: forward(good_batch(), from_node=""),
