@@ -214,7 +214,8 @@ class Metrics(Collector):
                          p["replication_queue"])
             yield _gauge("mtcfs_replication_pending_bytes", "Bytes of files waiting for copies",
                          p["replication_pending_bytes"])
-            yield _gauge("mtcfs_broadcast_queue_entries", "Index changes not yet sent to peers",
+            yield _gauge("mtcfs_broadcast_queue_entries",
+                         "This host's index changes not yet applied by every live host",
                          p["broadcast_queue"])
             yield _counter("mtcfs_replicas_sent", "Replicas pushed to peers", p["replicas_sent"])
             yield _counter("mtcfs_replicas_received", "Replicas received from peers",
