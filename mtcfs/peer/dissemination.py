@@ -121,7 +121,7 @@ class Broadcaster:
         self.commit_timeout = commit_timeout
         self.stats = Stats()
         # Numbered from the start time in µs: never a number of a previous life's.
-        self.tree = fanout.Fanout(members.me, self._live, self._apply,
+        self.tree = fanout.Fanout(members.me, self.counted, self._apply,
                                   fanout=degree or DEGREE,
                                   retry=TREE_RETRY, max_backoff=1,
                                   first_seq=time.time_ns() // 1000)
@@ -153,9 +153,6 @@ class Broadcaster:
             self._counted = sorted(a for a, p in self.members.peers.items()
                                    if not p.removed and not p.dead)
         return self._counted
-
-    def _live(self) -> list[str]:
-        return self.counted()
 
     def kick(self) -> None:
         """Membership changed: re-split the ranges of hosts now dead, resend to hosts

@@ -428,13 +428,24 @@ class PeerTier(Listener):
         token = trio.lowlevel.current_trio_token()
 
         def sent(call: grpc.Future) -> None:  # in a gRPC thread
+            b = self.broadcaster
+            if call.exception() is not None:
+                then: Callable[[], None] = partial(b.send_failed, addr, msg, attempt)
+            elif call.result().acked:
+                then = partial(b.acked_in_reply, addr, msg)
+            else:
+                then = partial(b.delivered, addr, msg)
+
+            def in_trio() -> None:
+                # Not a task: an exception here would end the whole run (shutting down,
+                # the broadcaster's nursery may be closed already).
+                try:
+                    then()
+                except Exception as e:
+                    log.debug("tree message to %s: %s", addr, e)
+
             with contextlib.suppress(trio.RunFinishedError):
-                if call.exception() is not None:
-                    token.run_sync_soon(self.broadcaster.send_failed, addr, msg, attempt)
-                elif call.result().acked:
-                    token.run_sync_soon(self.broadcaster.acked_in_reply, addr, msg)
-                else:
-                    token.run_sync_soon(self.broadcaster.delivered, addr, msg)
+                token.run_sync_soon(in_trio)
 
         call.add_done_callback(sent)
 

@@ -7,29 +7,18 @@ re-split and the commit still reaches every live host."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from mtcfs.peer import dissemination
 
+from support.gcs_server import free_ports
 from support.inprocess import Host
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
 HOSTS = 6
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 async def cluster(make_host, monkeypatch) -> list[Host]:
