@@ -24,8 +24,9 @@ Changes are coalesced into batches (up to MAX_BATCH entries) as the old
 per-peer streams did: a batch leaves at once when none of this host's is on
 its way, else when the one on its way completes, when MAX_BATCH entries wait,
 when a commit waits, or after LINGER. A thousand changes made one by one cost
-a few batches, not a thousand trees. Runs in the daemon's trio thread; the sending (a
-one-way gRPC call per message) is the peer tier's.
+a few batches, not a thousand trees. Runs in the daemon's trio thread; the
+sending (a gRPC call per message, not waited for; a forward's reply may carry
+its range's ack: Reply) is the peer tier's.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Stats:
     last_timeout: str = ""  # the peers that did not answer in time, as logged
     acks_in_replies: int = 0  # acks that rode on a forward's reply
     acks_received_in_replies: int = 0
+    send_errors: int = 0  # tree messages whose call failed
 
 
 class Broadcaster:
@@ -137,7 +139,6 @@ class Broadcaster:
         self._counted: list[str] = []  # the hosts of the trees: sorted addresses
         self._counted_version = -1
         self._known: set[str] = set()  # the counted hosts as of the last kick
-        self.send_errors = 0
         # Observers (metrics): called with the seconds a commit waited.
         self.observers: list[Callable[[float], None]] = []
         self.on_timeout: Callable[[], None] = lambda: None
@@ -171,7 +172,7 @@ class Broadcaster:
     # -- publishing --------------------------------------------------------------------
 
     def publish(self, entries: list[pb.Entry]) -> None:
-        """Queue entries for every host: they leave at the next turn of the loop."""
+        """Queue entries for every host: they leave in the next batch (see above)."""
         if entries:
             self._buffer.extend(entries)
             self._wake.set()
@@ -302,7 +303,7 @@ class Broadcaster:
     def send_failed(self, dst: str, msg: fanout.Message, attempt: int) -> None:
         """A call carrying `msg` failed (in the trio thread): send it again shortly,
         unless the host is no longer one of the trees'."""
-        self.send_errors += 1
+        self.stats.send_errors += 1
         if attempt < RESENDS and self._nursery is not None:
             self._nursery.start_soon(self._resend, dst, msg, attempt + 1)
 
@@ -346,6 +347,6 @@ class Broadcaster:
 
     def tree_status(self) -> dict[str, object]:
         return {**self.tree.status(), "hosts": len(self.counted()),
-                "send_errors": self.send_errors,
+                "send_errors": self.stats.send_errors,
                 "acks_in_replies": self.stats.acks_in_replies,
                 "acks_received_in_replies": self.stats.acks_received_in_replies}

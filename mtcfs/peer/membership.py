@@ -45,6 +45,7 @@ FILE_CHECK = 0.25  # how often the peers file's mtime is looked at
 MISSED_DIRECT = 3
 RECHECK = 1.0  # an unreachable peer is pinged again this often (up to RECHECK_MAX a round)
 RECHECK_MAX = 8
+STRANGERS = 64  # channels kept to hosts not among the peers (stub_for)
 
 # The daemon's SWIM timing: a host loaded by other work (FUSE, replication, tests on two
 # cores) may answer a probe late; a suspicion is refuted, a death is not.
@@ -188,6 +189,7 @@ class Membership:
         self.answered: set[str] = set()  # peers that answered a hello: they know us
         self._pings: dict[int, tuple[str, float]] = {}  # our pings: seq -> (peer, sent)
         self._recheck_at = 0.0
+        self._strangers: dict[str, _Channel] = {}  # channels to hosts not among the peers
         self.sync_addresses()
 
     # -- addresses -------------------------------------------------------------------
@@ -557,9 +559,25 @@ class Membership:
                                 "dropped": vars(self.codec.dropped)}
         return out
 
+    def stub_for(self, addr: str) -> pb_grpc.PeerStub:
+        """A peer's gRPC stub; for an address not among the peers (a host of the job,
+        holding the token, that sent us something to answer) a channel of its own,
+        kept for the next time (at most STRANGERS of them)."""
+        p = self.peers.get(addr)
+        if p is not None:
+            return p.stub
+        conn = self._strangers.get(addr)
+        if conn is None:
+            if len(self._strangers) >= STRANGERS:
+                for old in self._strangers.values():
+                    old.close()
+                self._strangers.clear()
+            conn = self._strangers[addr] = _Channel(addr, self.tls)
+        return conn.open()
+
     def close(self) -> None:
-        for p in self.peers.values():
-            p.conn.close()
+        for conn in [*(p.conn for p in self.peers.values()), *self._strangers.values()]:
+            conn.close()
         if self.endpoint is not None:
             self.endpoint.close()
 

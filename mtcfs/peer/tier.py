@@ -41,7 +41,7 @@ from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.fs.writeclock import WriteClock
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.retired import RetiredSteps
-from mtcfs.peer import fanout, mover, placement, restore, security, wire
+from mtcfs.peer import fanout, mover, placement, restore, wire
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
 from mtcfs.peer.dissemination import Broadcaster, Reply
@@ -51,7 +51,6 @@ from mtcfs.peer.security import BadRequest, check_entry
 from mtcfs.peer.server import Refused, start_server
 from mtcfs.peer.striped import Progress, Striped
 from mtcfs.peer.v1 import peer_pb2 as pb
-from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 from mtcfs.tiers.durable import DurableTier
 from mtcfs.tiers.durable.base import chunk_plan
 from mtcfs.tiers.ram import RamTier
@@ -165,7 +164,6 @@ class PeerTier(Listener):
         self.broadcaster = Broadcaster(self.members, node_id, lambda: self.index.clock,
                                        self._send_tree, self._deliver, kernel.settle,
                                        commit_timeout)
-        self._strangers: dict[str, pb_grpc.PeerStub] = {}  # senders not among our peers
         self.index.outbox = self.broadcaster.publish
         self.stats = Stats()
         self.server: grpc.Server | None = None
@@ -413,17 +411,7 @@ class PeerTier(Listener):
     def _send_tree(self, addr: str, msg: fanout.Message, attempt: int = 0) -> None:
         """One message down or up a tree, one way: not waited for (a lost one is sent
         again by the tree), so the trio thread never blocks on a peer."""
-        p = self.members.peers.get(addr)
-        if p is not None:
-            stub = p.stub
-        else:  # a host of the job not in our peers list (it has the token) sent to us
-            stub = self._strangers.get(addr)
-            if stub is None:
-                if len(self._strangers) > 64:
-                    self._strangers.clear()
-                stub = self._strangers[addr] = pb_grpc.PeerStub(
-                    security.open_channel(addr, self.tls))
-        call = stub.Forward.future(wire.tree_to_pb(self.members.me, msg),
+        call = self.members.stub_for(addr).Forward.future(wire.tree_to_pb(self.members.me, msg),
                                    timeout=BROADCAST_TIMEOUT, metadata=self.members.metadata)
         token = trio.lowlevel.current_trio_token()
 
