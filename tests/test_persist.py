@@ -31,7 +31,8 @@ from mtcfs import control
 from mtcfs.config import mount_entry
 from mtcfs.tiers.durable.localdir import LocalDirTier
 
-from support.gcs_server import GcsServer, closed_port
+from support.gcs_server import GcsServer, closed_port, free_port
+from support.link_proxy import LinkProxy
 from support.mounts import MtcfsMount, mtcfs, wait_until
 
 MiB = 1 << 20
@@ -822,18 +823,27 @@ def test_status_json_durable_section(make_mount, bucket: Bucket) -> None:
     assert "durable tier" in text and "persist manual" in text, text
 
 
-def test_umount_wait_finishes_uploads(make_mount, gcs_server: GcsServer,
-                                      gcs_bucket: str) -> None:
-    b = gs_bucket(gcs_server, gcs_bucket)
-    m = make_mount(extra=b.mount_args("manual"))
-    data = write(m.path / "big", os.urandom(200 * MiB))
-    assert mtcfs("persist", str(m.path)).returncode == 0
-    assert dstatus(m)["pending_bytes"] > 0
-    r = mtcfs("umount", str(m.path), "--wait", timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert mount_entry(str(m.path)) is None
-    assert m.proc is not None and m.proc.wait(timeout=30) == 0
-    b.assert_holds({"big": data})
+def test_umount_wait_finishes_uploads(make_mount) -> None:
+    # The upload goes through a link of 40 MiB/s (about 2.5 s for the file), so it is
+    # surely still pending when umount --wait starts: on loopback it may be done first.
+    proxy_port = free_port()
+    server = GcsServer("memory", external_url=f"http://127.0.0.1:{proxy_port}").start()
+    try:
+        with LinkProxy(server.port, up_rate=40 * MiB, port=proxy_port) as link:
+            b = gs_bucket(server, "slow-link")
+            m = make_mount(extra=("--bucket", b.url, "--gcs-endpoint", link.url,
+                                  "--persist", "manual"))
+            data = write(m.path / "big", os.urandom(100 * MiB))
+            assert mtcfs("persist", str(m.path)).returncode == 0
+            assert dstatus(m)["pending_bytes"] > 0
+            r = mtcfs("umount", str(m.path), "--wait", timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert mount_entry(str(m.path)) is None
+            assert m.proc is not None and m.proc.wait(timeout=30) == 0
+            assert link.upstream_bytes >= 100 * MiB
+            b.assert_holds({"big": data})
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("case", ["missing-bucket", "closed-port", "missing-dir"])

@@ -1,6 +1,7 @@
 """A TCP proxy on 127.0.0.1 that plays a bad network link between a client and a
 server: it can throttle the server-to-client direction to a shared byte rate (a
-slow link, all connections together) and cut the first connection that carries
+slow link, all connections together), the client-to-server direction likewise
+(`up_rate`: a slow upload), and cut the first connection that carries
 more than `drop_after` bytes upstream, mid-request.
 
 When it cuts a connection it also wakes the other direction's blocked recv(),
@@ -23,12 +24,13 @@ _LINGER_RST = b"\x01\0\0\0\0\0\0\0"  # SO_LINGER on, 0 s: close() sends RST
 
 class LinkProxy:
     def __init__(self, target_port: int, *, rate: float | None = None,
-                 drop_after: int | None = None, drop: str = "rst", drop_nth: int = 1,
-                 port: int | None = None) -> None:
+                 up_rate: float | None = None, drop_after: int | None = None,
+                 drop: str = "rst", drop_nth: int = 1, port: int | None = None) -> None:
         if drop not in ("fin", "rst"):
             raise ValueError("drop must be 'fin' or 'rst'")
         self.target_port = target_port
         self.rate = rate  # bytes per second downstream, shared by all connections
+        self.up_rate = up_rate  # bytes per second upstream, likewise
         self.drop_after = drop_after
         self.drop_mode = drop
         self.drop_nth = drop_nth  # cut the n-th connection that goes past drop_after
@@ -40,7 +42,7 @@ class LinkProxy:
         self._listener = socket.create_server(("127.0.0.1", port or 0))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
-        self._next_slot = 0.0  # monotonic time the throttled link is free again
+        self._next_slot = {True: 0.0, False: 0.0}  # upstream?: when that direction is free
         self._socks: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -68,14 +70,14 @@ class LinkProxy:
             threading.Thread(target=self._pump, args=(pair, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(pair, False), daemon=True).start()
 
-    def _throttle(self, n: int) -> None:
-        if not self.rate:
+    def _throttle(self, n: int, upstream: bool) -> None:
+        rate = self.up_rate if upstream else self.rate
+        if not rate:
             return
         with self._lock:
             now = time.monotonic()
-            start = max(now, self._next_slot)
-            self._next_slot = start + n / self.rate
-            wake = self._next_slot
+            start = max(now, self._next_slot[upstream])
+            wake = self._next_slot[upstream] = start + n / rate
         delay = wake - time.monotonic()
         if delay > 0:
             time.sleep(delay)
@@ -86,6 +88,7 @@ class LinkProxy:
         try:
             while not pair.cut and (data := src.recv(1 << 16)):
                 carried += len(data)
+                self._throttle(len(data), upstream)
                 if upstream:
                     with self._lock:
                         self.upstream_bytes += len(data)
@@ -104,7 +107,6 @@ class LinkProxy:
                             pair.cut_now(self.drop_mode)
                             return
                 else:
-                    self._throttle(len(data))
                     with self._lock:
                         self.downstream_bytes += len(data)
                 dst.sendall(data)

@@ -109,6 +109,16 @@ def crc_of(data: bytes) -> int:
     return google_crc32c.value(data)
 
 
+def with_any_data_port(extra: tuple[str, ...]) -> tuple[str, ...]:
+    """Daemons that --listen on loopback get their data channel on any free port: the
+    default (the --listen port + 1) may be a port another test's daemon or client holds
+    when tests run in parallel (a CI run failed on EADDRINUSE there)."""
+    if "--listen" not in extra or "--data-listen" in extra:
+        return extra
+    host = extra[extra.index("--listen") + 1].rsplit(":", 1)[0]
+    return (*extra, "--data-listen", f"{host}:0")
+
+
 class MtcfsMount:
     """One mtcfs daemon (foreground subprocess) and its mount."""
 
@@ -118,7 +128,7 @@ class MtcfsMount:
         self.ram_dir = ram_dir
         self.ram_size = ram_size
         self.node_id = node_id
-        self.extra = extra
+        self.extra = with_any_data_port(extra)
         self.proc: subprocess.Popen | None = None
         self.log_path = ram_dir.parent / f"{ram_dir.name}.log"
 
