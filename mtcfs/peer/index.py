@@ -192,23 +192,52 @@ class ReplicatedIndex:
 
     def snapshot(self) -> Iterator[pb.Entry]:
         """Every visible entry, parents before children, then the tombstones."""
+        for piece in self.snapshot_pieces(1 << 62):
+            yield from piece
+
+    def snapshot_pieces(self, size: int) -> Iterator[list[pb.Entry]]:
+        """The snapshot in pieces of at most `size` entries, each made when it is asked
+        for: a source serves its first piece at once and the requester applies it
+        while the next is made. Only the order (inode numbers) is taken up front.
+        Advance it in the thread that owns the namespace; other changes may run
+        between pieces: a piece shows entries as they are then (a node gone by then
+        is left out), and the requester, counted for commits before the first piece,
+        gets those changes by broadcast too: merged by stamp, either order is sound."""
+        order: list[int] = []
         todo = [ROOT]
-        sent: set[int] = set()  # a hard-linked file is under several directories
+        seen: set[int] = set()  # a hard-linked file is under several directories
         while todo:
             d = self.ns.inodes[todo.pop()]
             assert d.children is not None
             for ino in d.children.values():
                 node = self.ns.inodes[ino]
-                if self.visible(node) and ino not in sent:
-                    if node.links:
-                        sent.add(ino)
-                    yield self.entry_of(node)
+                if node.links:
+                    if ino in seen:
+                        continue
+                    seen.add(ino)
+                order.append(ino)
                 if node.is_dir:
                     todo.append(ino)
+        tombs = list(self.tombstones)
+        piece: list[pb.Entry] = []
+        inodes, visible = self.ns.inodes, self.visible
+        for ino in order:
+            node = inodes.get(ino)
+            if node is not None and visible(node):
+                piece.append(self.entry_of(node))
+                if len(piece) >= size:
+                    yield piece
+                    piece = []
         now = time.time()
-        for g, (lam, w, t) in list(self.tombstones.items()):
-            if now - t < TOMBSTONE_TTL:
-                yield pb.Entry(id=g, lamport=lam, writer=w, removed=True)
+        for g in tombs:
+            tomb = self.tombstones.get(g)
+            if tomb is not None and now - tomb[2] < TOMBSTONE_TTL:
+                piece.append(pb.Entry(id=g, lamport=tomb[0], writer=tomb[1], removed=True))
+                if len(piece) >= size:
+                    yield piece
+                    piece = []
+        if piece:
+            yield piece
 
     # -- remote changes --------------------------------------------------------------
 

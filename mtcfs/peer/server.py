@@ -53,7 +53,8 @@ class PeerHandler(Protocol):
     def on_batch(self, batch: pb.ChangeBatch) -> int: ...  # trio
     def on_tree(self, request: pb.TreeMessage) -> Any: ...  # trio: a Reply, or None
     def kernel_settle(self, timeout: float) -> bool: ...
-    def snapshot_for(self, from_node: str, listen: str) -> list[pb.Entry]: ...  # trio
+    def snapshot_for(self, from_node: str, listen: str, piece: int
+                     ) -> Iterator[list[pb.Entry]]: ...  # trio (and each piece too)
     def held(self) -> list[pb.HeldFile]: ...  # trio
     def begin_receive(self, e: pb.Entry) -> tuple[int, str]: ...  # trio
     def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool: ...  # trio
@@ -131,10 +132,13 @@ class PeerService(pb_grpc.PeerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         # In the trio thread: the requester counts for commits from this snapshot on.
-        entries = self._in_trio(self.tier.snapshot_for, request.from_node, request.listen)
-        for i in range(0, len(entries), SNAPSHOT_BATCH):
+        # Each piece is made there too when the stream wants it (the first leaves at
+        # once; the requester applies it while the next is made).
+        pieces = self._in_trio(self.tier.snapshot_for, request.from_node, request.listen,
+                               SNAPSHOT_BATCH)
+        while (piece := self._in_trio(next, pieces, None)) is not None:
             yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
-                                 entries=entries[i:i + SNAPSHOT_BATCH])
+                                 entries=piece)
 
     def ListHeld(self, request: pb.ListHeldRequest,
                  context: grpc.ServicerContext) -> pb.ListHeldReply:

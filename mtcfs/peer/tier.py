@@ -24,7 +24,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -92,6 +92,7 @@ class Stats:
     restore_from_earlier: int = 0  # chunks of this host's share an earlier source had
     batches_received: int = 0
     snapshots_pulled: int = 0
+    snapshots_served: int = 0
     last_error: str = ""
 
 
@@ -477,12 +478,15 @@ class PeerTier(Listener):
     def kernel_settle(self, timeout: float) -> bool:
         return self.kernel.settle(timeout)
 
-    def snapshot_for(self, from_node: str, listen: str) -> list[pb.Entry]:
-        """A peer pulls our snapshot: it counts for commits from now on (nothing is
-        committed between the two steps: both run in the trio thread)."""
+    def snapshot_for(self, from_node: str, listen: str, piece: int
+                     ) -> Iterator[list[pb.Entry]]:
+        """A peer pulls our snapshot: it counts for commits from now on, before the
+        first piece is made (both in the trio thread); what changes while the pieces
+        are made reaches it by broadcast as well."""
         if listen:
             self.members.mark_alive(listen, from_node)
-        return list(self.index.snapshot())
+        self.stats.snapshots_served += 1
+        return self.index.snapshot_pieces(piece)
 
     def abort_receive(self, key: int, tmp: str) -> None:
         self.ram.abort_incoming(key, tmp)

@@ -117,12 +117,14 @@ class BatchReply(_message.Message):
     def __init__(self, applied: _Optional[int] = ..., lamport: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("from_node", "listen")
+    __slots__ = ("from_node", "listen", "since_s")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     LISTEN_FIELD_NUMBER: _ClassVar[int]
+    SINCE_S_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     listen: str
-    def __init__(self, from_node: _Optional[str] = ..., listen: _Optional[str] = ...) -> None: ...
+    since_s: float
+    def __init__(self, from_node: _Optional[str] = ..., listen: _Optional[str] = ..., since_s: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("entry", "path")
