@@ -539,6 +539,48 @@ def test_bad_fetch_is_refused(node: Node, case: str) -> None:
     assert_unchanged(node, before, f"FetchFile with {case}")
 
 
+BAD_SNAPSHOTS: dict[str, pb.SnapshotRequest] = {
+    "requester ../x": pb.SnapshotRequest(from_node="../x"),
+    "listen of 400 chars": pb.SnapshotRequest(from_node=SENDER, listen="a" * 400),
+    "since -1 s": pb.SnapshotRequest(from_node=SENDER, since_s=-1),
+    "since NaN": pb.SnapshotRequest(from_node=SENDER, since_s=float("nan")),
+    "since inf": pb.SnapshotRequest(from_node=SENDER, since_s=float("inf")),
+    "since 10**12 s": pb.SnapshotRequest(from_node=SENDER, since_s=1e12),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SNAPSHOTS))
+def test_bad_snapshot_request_is_refused(node: Node, case: str) -> None:
+    before = state(node)
+    expect(Code.INVALID_ARGUMENT,
+           lambda: node.stub.Snapshot(BAD_SNAPSHOTS[case], timeout=TIMEOUT, metadata=node.md),
+           f"Snapshot with {case}")
+    assert_unchanged(node, before, f"Snapshot with {case}")
+
+
+def test_a_delta_snapshot_holds_the_recent_changes_only(node: Node) -> None:
+    """since_s: what changed on the node lately. Everything the node has was made when
+    it started, well within an hour: the delta of an hour is the whole snapshot, and
+    one of a moment ago (after a change of its own) holds that change alone."""
+    full = expect(Code.OK, lambda: node.stub.Snapshot(
+        pb.SnapshotRequest(from_node=SENDER), timeout=TIMEOUT, metadata=node.md), "Snapshot")
+    whole = sorted(e.id for b in full for e in b.entries)
+    hour = expect(Code.OK, lambda: node.stub.Snapshot(
+        pb.SnapshotRequest(from_node=SENDER, since_s=3600), timeout=TIMEOUT,
+        metadata=node.md), "Snapshot of the last hour")
+    # An hour reaches back before the daemon started: it cannot tell, and sends it all.
+    assert sorted(e.id for b in hour for e in b.entries) == whole
+    time.sleep(1.5)
+    os.utime(node.mount.path / "step1" / "shard1", (1, 1))  # a change of its own
+    node.mount.status()  # (settled)
+    recent = expect(Code.OK, lambda: node.stub.Snapshot(
+        pb.SnapshotRequest(from_node=SENDER, since_s=1), timeout=TIMEOUT,
+        metadata=node.md), "Snapshot of the last second")
+    got = [e for b in recent for e in b.entries]
+    assert [e.id for e in got] == [node.ids["step1/shard1"]], got
+    assert got[0].mtime_ns == 10**9
+
+
 def test_fetch_serves_ranges_of_held_files(node: Node) -> None:
     data = node.files["step1/shard0"]
     req = pb.FetchRequest(id=node.ids["step1/shard0"], offset=MiB - 5, length=100,

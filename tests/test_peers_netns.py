@@ -225,7 +225,11 @@ def failover_read(net: Net, reader: Node, bad: Node, files: dict[str, bytes],
 @pytest.mark.slow
 def test_partitioned_holder_does_not_hang_readers(make_net) -> None:
     net = make_net(3)
-    h0, _, _ = net.add_nodes(3, replicas=1)
+    # One data connection per holder: a striped read's first stripe goes to one holder,
+    # its second to the other, so a read always tries the cut one while it is thought
+    # alive (with 4, the good holder's workers could take all 4 stripes of a file
+    # first: ten reads in a row did once, and the test never saw a failover).
+    h0, _, _ = net.add_nodes(3, replicas=1, extra=("--data-connections", "1"))
     files = {f"step1/shard-{i}.bin": h0.write(f"step1/shard-{i}.bin", blob(i, 64 * MiB))
              for i in range(CANDIDATES)}
     last = h0.write("step1/last.bin", blob(99, 16 * MiB))
@@ -480,6 +484,7 @@ def test_partition_heals_both_ways(make_net) -> None:
                                            if k != "from-h2"}, 10, what="h1 to follow h0")
     assert "from-h2" not in tree(h0, "job")  # the partition is real
 
+    served = {n.node_id: n.pstatus()["snapshot_entries_served"] for n in (h0, h1, h2)}
     h2.host.link_up()
     t0 = time.monotonic()
     for node in (h0, h1, h2):
@@ -487,6 +492,16 @@ def test_partition_heals_both_ways(make_net) -> None:
                    what=f"{node.node_id} to have the merged tree "
                         f"(has {tree(node, 'job')})")
         print(f"[netns] {node.node_id} converged {time.monotonic() - t0:.2f}s after link_up")
+    # Each side caught up with the other by what changed there lately (a delta: the
+    # last 30 s before the cut and since, here all of it), not by the whole index:
+    # h2 pulled from h0 and h1, they from h2.
+    wait_until(lambda: h2.pstatus()["delta_snapshots_pulled"] >= 2
+               and all(n.pstatus()["delta_snapshots_pulled"] >= 1 for n in (h0, h1)), 10,
+               what="the catch-ups after the heal")
+    for n in (h0, h1, h2):
+        st = n.pstatus()
+        assert st["delta_snapshots_served"] >= 1, st
+        assert st["snapshot_entries_served"] > served[n.node_id], st
     assert h2.path("job/subdir/keep").read_bytes() == b"keep" * 1000
     assert h2.path("job/new-during-partition").read_bytes() == b"new" * 5000
     res = h0.read("job/from-h2")

@@ -226,3 +226,73 @@ def test_a_child_that_has_the_batch_is_not_sent_it_again_for_being_slow() -> Non
     assert [dst for dst, _ in a.tick(fanout.DELIVERED_RETRY - 1)] == ["c"]
     assert "b" in [dst for dst, _ in a.tick(fanout.DELIVERED_RETRY + 0.1)]
     assert not a.complete(seq)
+
+
+def test_a_snapshot_made_in_pieces_while_the_index_changes_is_still_whole(tmp_path) -> None:
+    """The source makes each piece when the stream takes it; changes between pieces
+    (applied here too, as their broadcast reaches the requester) leave the requester
+    with the source's index."""
+    src = simnet.IndexStore("h0", str(tmp_path / "src"))
+    src.index.apply([simnet.entry("d1", "root", "step_1", 1, "h0", is_dir=True),
+                     *[simnet.entry(f"f{i}", "d1", f"shard-{i}", 2, "h0", size=i)
+                       for i in range(40)]])
+    dst = simnet.IndexStore("h9", str(tmp_path / "dst"))
+    pieces = src.index.snapshot_pieces(10)
+    dst.index.apply(next(pieces))
+    # Between pieces: a rename out of what is still to come, a removal, a new directory
+    # with a file; each change reaches the requester by broadcast as well.
+    changes = [simnet.entry("f30", "root", "moved-up", 3, "h1", size=30),
+               pb.Entry(id="f31", lamport=4, writer="h1", removed=True),
+               simnet.entry("d2", "root", "step_2", 5, "h2", is_dir=True),
+               simnet.entry("g1", "d2", "shard-0", 6, "h2", size=7)]
+    src.index.apply(changes)
+    dst.index.apply(changes)
+    sizes = []
+    for piece in pieces:
+        sizes.append(len(piece))
+        dst.index.apply(piece)
+    assert max(sizes) <= 10
+    assert dst.digest() == src.digest()
+    src.close()
+    dst.close()
+
+
+def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
+        tmp_path, monkeypatch) -> None:
+    from mtcfs.peer import index as index_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(index_mod.time, "monotonic", lambda: clock[0])
+    src = simnet.IndexStore("h0", str(tmp_path / "src"))
+    src.index.apply([simnet.entry("d1", "root", "step_1", 1, "h0", is_dir=True),
+                     *[simnet.entry(f"f{i}", "d1", f"shard-{i}", 2, "h0", size=i)
+                       for i in range(20)]])
+    clock[0] += 100  # a host goes away, and then:
+    src.index.apply([simnet.entry("d2", "root", "step_2", 3, "h1", is_dir=True),
+                     simnet.entry("g1", "d2", "shard-0", 4, "h1", size=5),
+                     simnet.entry("f3", "d2", "moved", 5, "h1", size=3),  # an old one moved
+                     pb.Entry(id="f4", lamport=6, writer="h1", removed=True),
+                     simnet.entry("f5", "d1", "shard-5", 2, "h0", size=5)])  # not newer
+    clock[0] += 10
+    delta = [e for piece in src.index.delta_pieces(30, 2) for e in piece]
+    assert [(e.id, e.removed) for e in delta] == [
+        ("d2", False), ("g1", False), ("f3", False), ("f4", True)]
+    # A host that was away with the old state has the source's index after the delta.
+    dst = simnet.IndexStore("h9", str(tmp_path / "dst"))
+    dst.index.apply([simnet.entry("d1", "root", "step_1", 1, "h0", is_dir=True),
+                     *[simnet.entry(f"f{i}", "d1", f"shard-{i}", 2, "h0", size=i)
+                       for i in range(20)]])
+    dst.index.apply(delta)
+    assert dst.digest() == src.digest()
+    # Further back than the index remembers (it started later): it cannot tell.
+    assert src.index.delta_pieces(111, 10) is None
+    assert src.index.delta_pieces(109, 10) is not None
+    # Forgetting the oldest moves the floor up.
+    monkeypatch.setattr(index_mod, "RECENT_MAX", 2)
+    clock[0] += 1
+    src.index.apply([simnet.entry("g2", "d2", "shard-1", 7, "h1", size=1)])
+    assert list(src.index.recent) == ["f4", "g2"]  # f3, changed at 1100, forgotten
+    assert src.index.delta_pieces(5, 10) is not None
+    assert src.index.delta_pieces(12, 10) is None
+    src.close()
+    dst.close()

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 TOMBSTONE_TTL = 24 * 3600.0  # a host away longer than this may bring back removed entries
 MAX_PENDING = 100_000
+# Ids whose last change time is kept for delta snapshots. One per entry or tombstone,
+# so the index's own size bounds it; past this the oldest are forgotten.
+RECENT_MAX = 1_000_000
 
 
 @dataclass
@@ -85,6 +88,12 @@ class ReplicatedIndex:
         self.clock = max([n.lamport for n in ns.inodes.values()]
                          + [lam for lam, _, _ in self.tombstones.values()] + [0])
         self.stats = Stats()
+        # id -> time.monotonic() of its last change here (made here or applied), oldest
+        # first: what changed in the last s seconds, for a host that was away that long.
+        # Changes before recent_floor are not in it (this process started then, or the
+        # oldest ones were forgotten).
+        self.recent: dict[str, float] = {}
+        self.recent_floor = time.monotonic()
         self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
         self.touched: list[Inode] = []  # nodes the last apply() created or changed
         # Nodes the last apply() said this host holds, which it does not: the tier
@@ -106,6 +115,7 @@ class ReplicatedIndex:
                     continue
                 node.lamport, node.writer = self.tick(), self.node_id
                 self.ns.persist(node)
+                self._note(node.guid)
                 out.append(self.entry_of(node))
         if out:
             self.outbox(out)
@@ -116,12 +126,14 @@ class ReplicatedIndex:
             return
         lam = self.tick()
         self._tombstone(node.guid, lam, self.node_id)
+        self._note(node.guid)
         self.outbox([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
 
     def holders_changed(self, node: Inode, dropped: str = "") -> None:
         """Copies of this version came (or, `dropped`, one was evicted). Holders merge
         as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
+            self._note(node.guid)
             e = self.entry_of(node)
             if dropped:
                 e.dropped.append(dropped)
@@ -137,8 +149,10 @@ class ReplicatedIndex:
         d = self.ns.inodes.get(node.parent)
         while d is not None and d.ino != ROOT:
             if self.visible(d):
+                self._note(d.guid)
                 out.append(self.entry_of(d))
             d = self.ns.inodes.get(d.parent)
+        self._note(node.guid)
         e = self.entry_of(node)
         if dropped:
             e.dropped.append(dropped)
@@ -239,6 +253,46 @@ class ReplicatedIndex:
         if piece:
             yield piece
 
+    def delta_pieces(self, since_s: float, size: int) -> Iterator[list[pb.Entry]] | None:
+        """What changed here in the last `since_s` seconds, oldest change first, in
+        pieces made as snapshot_pieces makes them: for a host that was away (seen dead)
+        that long, instead of the whole snapshot. None when this index cannot tell:
+        this process started, or forgot the oldest changes, after that."""
+        cutoff = time.monotonic() - since_s
+        if cutoff < self.recent_floor:
+            return None
+        ids: list[str] = []
+        for g in reversed(self.recent):
+            if self.recent[g] < cutoff:
+                break
+            ids.append(g)
+        ids.reverse()
+        return self._pieces_of(ids, size)
+
+    def _pieces_of(self, ids: list[str], size: int) -> Iterator[list[pb.Entry]]:
+        piece: list[pb.Entry] = []
+        for g in ids:
+            node = self.ns.by_global_id(g)
+            if node is not None and self.visible(node):
+                piece.append(self.entry_of(node))
+            elif (tomb := self.tombstones.get(g)) is not None:
+                piece.append(pb.Entry(id=g, lamport=tomb[0], writer=tomb[1], removed=True))
+            else:
+                continue
+            if len(piece) >= size:
+                yield piece
+                piece = []
+        if piece:
+            yield piece
+
+    def _note(self, gid: str) -> None:
+        """`gid` changed here now (made here or applied): it goes to the end of recent."""
+        recent = self.recent
+        recent.pop(gid, None)
+        recent[gid] = time.monotonic()
+        while len(recent) > RECENT_MAX:
+            self.recent_floor = recent.pop(next(iter(recent)))
+
     # -- remote changes --------------------------------------------------------------
 
     def apply(self, entries: list[pb.Entry]) -> int:
@@ -263,6 +317,12 @@ class ReplicatedIndex:
         return self.aliases.get(gid, gid)
 
     def _apply_one(self, e: pb.Entry) -> bool:
+        if self._apply_entry(e):
+            self._note(self.resolve(e.id))
+            return True
+        return False
+
+    def _apply_entry(self, e: pb.Entry) -> bool:
         gid = self.resolve(e.id)
         tomb = self.tombstones.get(gid)
         if tomb is not None and (tomb[0], tomb[1]) >= entry_stamp(e):
@@ -490,4 +550,5 @@ class ReplicatedIndex:
             "ignored": self.stats.ignored,
             "conflicts": self.stats.conflicts,
             "pending": self.stats.pending,
+            "recent": len(self.recent),
         }

@@ -89,6 +89,7 @@ class Peer:
     heard: bool = False  # heard of at an incarnation it announced
     ready: bool = False  # caught up when last heard of: its snapshot is whole
     last_ok: float = 0.0
+    heard_at: float = 0.0  # time.monotonic() of its last message to us (0: none yet)
     ram_free: int = 0
     data_port: int = 0  # its bulk data channel (mtcfs.peer.bulk); 0: gRPC only
     busy: int = 0  # transfers in flight to or from it
@@ -396,6 +397,7 @@ class Membership:
             return
         p.node_id, p.domain, p.data_port = m.node_id, m.failure_domain, m.data_port
         p.ram_free, p.ready = m.ram_free, m.ready
+        p.heard_at = time.monotonic()
         if m.kind == swim.ACK:
             if self._hellos.get(m.seq) == src:
                 del self._hellos[m.seq]

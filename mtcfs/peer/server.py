@@ -30,6 +30,7 @@ CHUNK = 1 << 20
 KERNEL_SETTLE = 0.1  # seconds a broadcast's reply waits for its kernel notifications
 TREE_REPLY_WAIT = 1.0  # seconds a forward's handler waits to answer with the range's ack
 SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
+MAX_SINCE = 365 * 24 * 3600.0  # a delta snapshot's reach back (longer: ask for all)
 
 
 class Refused(Exception):
@@ -53,7 +54,7 @@ class PeerHandler(Protocol):
     def on_batch(self, batch: pb.ChangeBatch) -> int: ...  # trio
     def on_tree(self, request: pb.TreeMessage) -> Any: ...  # trio: a Reply, or None
     def kernel_settle(self, timeout: float) -> bool: ...
-    def snapshot_for(self, from_node: str, listen: str, piece: int
+    def snapshot_for(self, from_node: str, listen: str, piece: int, since: float = 0.0
                      ) -> Iterator[list[pb.Entry]]: ...  # trio (and each piece too)
     def held(self) -> list[pb.HeldFile]: ...  # trio
     def begin_receive(self, e: pb.Entry) -> tuple[int, str]: ...  # trio
@@ -128,6 +129,8 @@ class PeerService(pb_grpc.PeerServicer):
                 security.check_node_id(request.from_node, "requester")
             if len(request.listen) > 300:
                 raise BadRequest("listen address too long")
+            if not 0 <= request.since_s <= MAX_SINCE:  # (NaN fails both)
+                raise BadRequest(f"since_s must be 0 to {MAX_SINCE:.0f} seconds")
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -135,7 +138,7 @@ class PeerService(pb_grpc.PeerServicer):
         # Each piece is made there too when the stream wants it (the first leaves at
         # once; the requester applies it while the next is made).
         pieces = self._in_trio(self.tier.snapshot_for, request.from_node, request.listen,
-                               SNAPSHOT_BATCH)
+                               SNAPSHOT_BATCH, request.since_s)
         while (piece := self._in_trio(next, pieces, None)) is not None:
             yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
                                  entries=piece)

@@ -62,6 +62,10 @@ DRAIN_WAIT = 2.0  # a push waits this long at most for its file's entry to be ev
 SNAPSHOT_TIMEOUT = 60.0
 STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
 MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between slices)
+# A host back from the dead: what changed there since this long before its last
+# message to us (what it sent us just before the cut may not have arrived; the trees
+# resend a batch to a child for up to about this long).
+DELTA_MARGIN = 30.0
 REPLICATION_WORKERS = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
@@ -92,7 +96,10 @@ class Stats:
     restore_from_earlier: int = 0  # chunks of this host's share an earlier source had
     batches_received: int = 0
     snapshots_pulled: int = 0
+    delta_snapshots_pulled: int = 0  # of those: only what changed while it was away
     snapshots_served: int = 0
+    delta_snapshots_served: int = 0  # of those: only what changed here lately
+    snapshot_entries_served: int = 0
     last_error: str = ""
 
 
@@ -184,6 +191,8 @@ class PeerTier(Listener):
         self._nursery: trio.Nursery | None = None
         self._started = False
         self._catching_up: set[str] = set()  # peers back whose snapshot is being pulled
+        # listen address -> time.monotonic() of its last message before it was dead
+        self._last_heard: dict[str, float] = {}
         self._limiter = trio.CapacityLimiter(32)
         self._mover: ProcessPoolExecutor | None = None
         # The trainer's write clock, shared with the push workers (spawned processes).
@@ -276,14 +285,20 @@ class PeerTier(Listener):
     # -- membership (Listener) --------------------------------------------------------
 
     def peer_alive(self, peer: Peer) -> None:
+        last_heard = self._last_heard.pop(peer.addr, 0.0)
         if self._started and self._nursery is not None and peer.ready:
             # Back after a partition: merge what it has that we missed. (A host that is
             # starting is not ready yet: it takes our changes, it has none of its own.)
+            # Only what changed there since a little before we last heard from it:
+            # after a flap every host pulls from it, and whole snapshots would be N.
+            since = time.monotonic() - last_heard + DELTA_MARGIN if last_heard else 0.0
             self._catching_up.add(peer.addr)
-            self._nursery.start_soon(self.catch_up, peer)
+            self._nursery.start_soon(self.catch_up, peer, since)
         self._requeue_unreplicated()
 
     def peer_dead(self, peer: Peer) -> None:
+        if peer.heard_at:
+            self._last_heard.setdefault(peer.addr, peer.heard_at)
         self._requeue_unreplicated()
 
     def peers_changed(self) -> None:
@@ -294,16 +309,17 @@ class PeerTier(Listener):
         host cut off for a moment wrote meanwhile is known here (commit markers wait)."""
         return not self._catching_up and self.members.all_accounted()
 
-    async def catch_up(self, p: Peer) -> bool:
+    async def catch_up(self, p: Peer, since: float = 0.0) -> bool:
         try:
-            return await self._catch_up(p)
+            return await self._catch_up(p, since)
         finally:
             if p.addr in self._catching_up:
                 self._catching_up.discard(p.addr)
                 self.events.peers_changed()  # a commit marker held for it may go
 
-    async def _catch_up(self, p: Peer) -> bool:
-        """Pull `p`'s snapshot, applying its pieces as they arrive (the source serves
+    async def _catch_up(self, p: Peer, since: float = 0.0) -> bool:
+        """Pull `p`'s snapshot (since > 0: what changed there in the last `since`
+        seconds, if it can tell), applying its pieces as they arrive (the source makes
         the next while this host applies one). False: the pull failed (what arrived
         is applied: every entry is a state merged by its stamp, any subset is sound)."""
         send, recv = trio.open_memory_channel[list[pb.Entry]](4)
@@ -314,7 +330,7 @@ class PeerTier(Listener):
         def pull() -> None:
             try:
                 call = p.stub.Snapshot(pb.SnapshotRequest(from_node=self.node_id,
-                                                          listen=self.listen),
+                                                          listen=self.listen, since_s=since),
                                        timeout=SNAPSHOT_TIMEOUT,
                                        metadata=self.members.metadata, wait_for_ready=True)
                 for batch in call:
@@ -352,8 +368,9 @@ class PeerTier(Listener):
             self._error(f"snapshot from {p.addr}: {failed[0]} ({entries} entries applied)")
             return False
         self.stats.snapshots_pulled += 1
-        log.info("caught up with %s (%s): %d entries, %d applied", p.addr, p.node_id,
-                 entries, applied)
+        self.stats.delta_snapshots_pulled += since > 0
+        log.info("caught up with %s (%s)%s: %d entries, %d applied", p.addr, p.node_id,
+                 f" (changes of the last {since:.0f} s)" if since else "", entries, applied)
         return True
 
     # -- this host's changes (Listener) ----------------------------------------------
@@ -478,15 +495,24 @@ class PeerTier(Listener):
     def kernel_settle(self, timeout: float) -> bool:
         return self.kernel.settle(timeout)
 
-    def snapshot_for(self, from_node: str, listen: str, piece: int
+    def snapshot_for(self, from_node: str, listen: str, piece: int, since: float = 0.0
                      ) -> Iterator[list[pb.Entry]]:
-        """A peer pulls our snapshot: it counts for commits from now on, before the
-        first piece is made (both in the trio thread); what changes while the pieces
-        are made reaches it by broadcast as well."""
+        """A peer pulls our snapshot (since > 0: what changed here in the last `since`
+        seconds, or all of it if the index cannot tell): it counts for commits from
+        now on, before the first piece is made (both in the trio thread); what changes
+        while the pieces are made reaches it by broadcast as well."""
         if listen:
             self.members.mark_alive(listen, from_node)
+        pieces = self.index.delta_pieces(since, piece) if since > 0 else None
         self.stats.snapshots_served += 1
-        return self.index.snapshot_pieces(piece)
+        self.stats.delta_snapshots_served += pieces is not None
+        return self._counted(pieces if pieces is not None
+                             else self.index.snapshot_pieces(piece))
+
+    def _counted(self, pieces: Iterator[list[pb.Entry]]) -> Iterator[list[pb.Entry]]:
+        for piece in pieces:
+            self.stats.snapshot_entries_served += len(piece)
+            yield piece
 
     def abort_receive(self, key: int, tmp: str) -> None:
         self.ram.abort_incoming(key, tmp)
