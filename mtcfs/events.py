@@ -95,6 +95,9 @@ class Listener:
     def peer_dead(self, peer: Peer) -> None:
         """A peer failed its checks: its copies no longer count."""
 
+    def peer_ready(self, peer: Peer) -> None:
+        """A live peer says it is caught up (its index is whole) where it did not."""
+
 
 class Events(Listener):
     """The mount's dispatcher: calls each registered listener in turn."""
@@ -188,3 +191,7 @@ class Events(Listener):
     def peer_dead(self, peer: Peer) -> None:
         for x in self._listeners:
             x.peer_dead(peer)
+
+    def peer_ready(self, peer: Peer) -> None:
+        for x in self._listeners:
+            x.peer_ready(peer)

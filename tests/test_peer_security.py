@@ -559,16 +559,16 @@ def test_bad_snapshot_request_is_refused(node: Node, case: str) -> None:
 
 
 def test_a_delta_snapshot_holds_the_recent_changes_only(node: Node) -> None:
-    """since_s: what changed on the node lately. Everything the node has was made when
-    it started, well within an hour: the delta of an hour is the whole snapshot, and
-    one of a moment ago (after a change of its own) holds that change alone."""
+    """since_s: what changed on the node lately. Everything the node has was made
+    since it started (empty), well within an hour: the delta of an hour is the whole
+    snapshot, and one of a moment ago (after a change of its own) holds that change
+    alone."""
     full = expect(Code.OK, lambda: node.stub.Snapshot(
         pb.SnapshotRequest(from_node=SENDER), timeout=TIMEOUT, metadata=node.md), "Snapshot")
     whole = sorted(e.id for b in full for e in b.entries)
     hour = expect(Code.OK, lambda: node.stub.Snapshot(
         pb.SnapshotRequest(from_node=SENDER, since_s=3600), timeout=TIMEOUT,
         metadata=node.md), "Snapshot of the last hour")
-    # An hour reaches back before the daemon started: it cannot tell, and sends it all.
     assert sorted(e.id for b in hour for e in b.entries) == whole
     time.sleep(1.5)
     os.utime(node.mount.path / "step1" / "shard1", (1, 1))  # a change of its own

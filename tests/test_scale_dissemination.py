@@ -284,15 +284,22 @@ def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
                        for i in range(20)]])
     dst.index.apply(delta)
     assert dst.digest() == src.digest()
-    # Further back than the index remembers (it started later): it cannot tell.
-    assert src.index.delta_pieces(111, 10) is None
-    assert src.index.delta_pieces(109, 10) is not None
+    # An index that started empty remembers every change it has; one that started
+    # from its store (a restarted daemon) cannot tell what changed before it started.
+    assert src.index.delta_pieces(10**6, 10) is not None
+    src.close()
+    src = simnet.IndexStore("h0", str(tmp_path / "src"))
+    clock[0] += 5
+    assert src.index.delta_pieces(6, 10) is None
+    assert [e for piece in src.index.delta_pieces(4, 10) for e in piece] == []
+    src.index.apply([simnet.entry("g9", "d2", "shard-9", 9, "h1", size=9)])
+    assert [e.id for piece in src.index.delta_pieces(4, 10) for e in piece] == ["g9"]
     # Forgetting the oldest moves the floor up.
-    monkeypatch.setattr(index_mod, "RECENT_MAX", 2)
+    monkeypatch.setattr(index_mod, "RECENT_MAX", 1)
     clock[0] += 1
     src.index.apply([simnet.entry("g2", "d2", "shard-1", 7, "h1", size=1)])
-    assert list(src.index.recent) == ["f4", "g2"]  # f3, changed at 1100, forgotten
-    assert src.index.delta_pieces(5, 10) is not None
-    assert src.index.delta_pieces(12, 10) is None
+    assert list(src.index.recent) == ["g2"]  # g9, changed at 1115, forgotten
+    assert src.index.delta_pieces(0.5, 10) is not None
+    assert src.index.delta_pieces(2, 10) is None
     src.close()
     dst.close()

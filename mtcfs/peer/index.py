@@ -93,7 +93,9 @@ class ReplicatedIndex:
         # Changes before recent_floor are not in it (this process started then, or the
         # oldest ones were forgotten).
         self.recent: dict[str, float] = {}
-        self.recent_floor = time.monotonic()
+        # An index that starts empty has every change it will have in recent.
+        known = len(ns.inodes) > 1 or self.tombstones
+        self.recent_floor = time.monotonic() if known else float("-inf")
         self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
         self.touched: list[Inode] = []  # nodes the last apply() created or changed
         # Nodes the last apply() said this host holds, which it does not: the tier

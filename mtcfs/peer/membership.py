@@ -131,6 +131,8 @@ class MembershipEvents(Protocol):
 
     def peer_dead(self, peer: Peer) -> None: ...
 
+    def peer_ready(self, peer: Peer) -> None: ...
+
     def peers_changed(self) -> None: ...
 
 
@@ -139,6 +141,9 @@ class _Unheard:
         pass
 
     def peer_dead(self, peer: Peer) -> None:
+        pass
+
+    def peer_ready(self, peer: Peer) -> None:
         pass
 
     def peers_changed(self) -> None:
@@ -232,6 +237,11 @@ class Membership:
     def version(self) -> int:
         """Bumped whenever a peer is added, removed, or changes between alive and dead."""
         return self._ring_version
+
+    def incarnation_of(self, addr: str) -> int:
+        """Its SWIM incarnation: its start time in ms, plus one per suspicion it refuted
+        (so a jump of a second or more means it restarted)."""
+        return self.swim.incarnation_of(addr)
 
     def live(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.alive]
@@ -396,8 +406,13 @@ class Membership:
         except security.BadRequest:
             return
         p.node_id, p.domain, p.data_port = m.node_id, m.failure_domain, m.data_port
+        was_ready = p.ready
         p.ram_free, p.ready = m.ram_free, m.ready
         p.heard_at = time.monotonic()
+        if p.ready and not was_ready and p.alive:
+            # Back alive by gossip before it spoke to us, or done joining: now it says
+            # it is caught up.
+            self.events.peer_ready(p)
         if m.kind == swim.ACK:
             if self._hellos.get(m.seq) == src:
                 del self._hellos[m.seq]

@@ -191,6 +191,10 @@ class Swim:
 
     # -- what the rest of the host asks ----------------------------------------------
 
+    def incarnation_of(self, node: str) -> int:
+        m = self.members.get(node)
+        return self.incarnation if node == self.me else 0 if m is None else m.incarnation
+
     def state_of(self, node: str) -> int:
         if node == self.me:
             return ALIVE

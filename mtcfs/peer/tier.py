@@ -66,6 +66,7 @@ MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between sl
 # message to us (what it sent us just before the cut may not have arrived; the trees
 # resend a batch to a child for up to about this long).
 DELTA_MARGIN = 30.0
+RESTART_JUMP = 1000  # a peer whose incarnation (its start in ms) is this much newer restarted
 REPLICATION_WORKERS = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
@@ -191,8 +192,10 @@ class PeerTier(Listener):
         self._nursery: trio.Nursery | None = None
         self._started = False
         self._catching_up: set[str] = set()  # peers back whose snapshot is being pulled
-        # listen address -> time.monotonic() of its last message before it was dead
-        self._last_heard: dict[str, float] = {}
+        # Peers found dead since we started, to catch up with once they are back and
+        # caught up themselves: listen address -> (time.monotonic() of the last
+        # message we had from it before (0: none), its incarnation then).
+        self._owed: dict[str, tuple[float, int]] = {}
         self._limiter = trio.CapacityLimiter(32)
         self._mover: ProcessPoolExecutor | None = None
         # The trainer's write clock, shared with the push workers (spawned processes).
@@ -285,20 +288,41 @@ class PeerTier(Listener):
     # -- membership (Listener) --------------------------------------------------------
 
     def peer_alive(self, peer: Peer) -> None:
-        last_heard = self._last_heard.pop(peer.addr, 0.0)
-        if self._started and self._nursery is not None and peer.ready:
-            # Back after a partition: merge what it has that we missed. (A host that is
-            # starting is not ready yet: it takes our changes, it has none of its own.)
-            # Only what changed there since a little before we last heard from it:
-            # after a flap every host pulls from it, and whole snapshots would be N.
-            since = time.monotonic() - last_heard + DELTA_MARGIN if last_heard else 0.0
-            self._catching_up.add(peer.addr)
-            self._nursery.start_soon(self.catch_up, peer, since)
+        if peer.ready:
+            self._catch_up_with(peer)
+        # (Not ready: starting, it takes our changes and has none of its own; or back
+        # by gossip before it spoke to us: caught up with once it says it is ready.)
         self._requeue_unreplicated()
 
+    def peer_ready(self, peer: Peer) -> None:
+        if peer.addr in self._owed:  # back by gossip before it spoke to us
+            self._catch_up_with(peer)
+
+    def _catch_up_with(self, peer: Peer) -> None:
+        """Back after a partition: merge what it has that we missed. Only what changed
+        there since a little before we last heard from it: after a flap every host
+        pulls from it, and whole snapshots would be N of them. Nothing from a host
+        that restarted meanwhile: it joined from a snapshot like a new host (which
+        the others pull nothing from)."""
+        owed = self._owed.pop(peer.addr, None)
+        if not self._started or self._nursery is None:
+            return
+        since = 0.0
+        if owed is not None:
+            last_heard, incarnation = owed
+            if self.members.incarnation_of(peer.addr) - incarnation >= RESTART_JUMP:
+                log.info("peer %s (%s) restarted while it was away: nothing to pull",
+                         peer.addr, peer.node_id)
+                return
+            if last_heard:
+                since = time.monotonic() - last_heard + DELTA_MARGIN
+        self._catching_up.add(peer.addr)
+        self._nursery.start_soon(self.catch_up, peer, since)
+
     def peer_dead(self, peer: Peer) -> None:
-        if peer.heard_at:
-            self._last_heard.setdefault(peer.addr, peer.heard_at)
+        if self._started:
+            self._owed.setdefault(peer.addr, (peer.heard_at,
+                                              self.members.incarnation_of(peer.addr)))
         self._requeue_unreplicated()
 
     def peers_changed(self) -> None:
@@ -319,8 +343,9 @@ class PeerTier(Listener):
 
     async def _catch_up(self, p: Peer, since: float = 0.0) -> bool:
         """Pull `p`'s snapshot (since > 0: what changed there in the last `since`
-        seconds, if it can tell), applying its pieces as they arrive (the source makes
-        the next while this host applies one). False: the pull failed (what arrived
+        seconds, if it can tell; else all of it), applying
+        its pieces as they arrive (the source makes the next while this host applies
+        one). False: the pull failed (what arrived
         is applied: every entry is a state merged by its stamp, any subset is sound)."""
         send, recv = trio.open_memory_channel[list[pb.Entry]](4)
         token = trio.lowlevel.current_trio_token()
