@@ -44,6 +44,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,9 +242,10 @@ class Scenario:
                 store.close()
 
 
-def _build_source(entries: int, root: str) -> simnet.IndexStore:
+def _build_source(entries: int, root: str,
+                  now: Callable[[], float] | None = None) -> simnet.IndexStore:
     """A real index of `entries` files: 10 steps of FILES_PER_HOST files per host."""
-    src = simnet.IndexStore("source", os.path.join(root, "snap-source"))
+    src = simnet.IndexStore("source", os.path.join(root, "snap-source"), now=now)
     hosts = max(1, entries // (10 * FILES_PER_HOST))
     lam = 0
     for step in range(10):
@@ -317,6 +319,60 @@ def snapshot_join(entries: int, root: str) -> dict[str, float]:
             "snapshot_serve_cpu_s": serve_cpu, "snapshot_apply_cpu_s": c1 - c0}
 
 
+def flap_catch_up(entries: int, root: str) -> dict[str, float]:
+    """A host back after a short absence (a partition healed, a false death), during
+    which one step was written (FILES_PER_HOST files per host): what one catch-up
+    pull costs when the source sends its whole index against only what changed
+    there (the delta of the absence + DELTA_MARGIN seconds). Both sides are real
+    indexes; the requester already has everything but the step. CPU seconds of the
+    source (making and encoding the pieces) and the requester (decoding, applying);
+    after a flap every host that saw the returning one dead makes one such pull."""
+    from mtcfs.peer.tier import DELTA_MARGIN
+
+    away = 10.0
+    clock = [0.0]
+    src = _build_source(entries, os.path.join(root, "flap"), now=lambda: clock[0])
+    hosts = max(1, entries // (10 * FILES_PER_HOST))
+    old = list(src.index.snapshot())
+    clock[0] += 3600.0  # the index was built an hour ago; then the host was away:
+    lam = 10 * (hosts + 1) + 1
+    src.index.apply([simnet.entry("d-new", "root", "step_new", lam, "h0000",
+                                  is_dir=True)])
+    for h in range(hosts):
+        lam += 1
+        src.index.apply([simnet.entry(f"n-{h}-{k}", "d-new", f"h{h}-{k}", lam,
+                                      f"h{h:04d}", size=1 << 30)
+                         for k in range(FILES_PER_HOST)])
+    clock[0] += away
+    out: dict[str, float] = {"flap_changed_entries": hosts * FILES_PER_HOST + 1}
+    for name, pieces in (("full", lambda: src.index.snapshot_pieces(SNAPSHOT_BATCH)),
+                         ("delta", lambda: src.index.delta_pieces(away + DELTA_MARGIN,
+                                                                  SNAPSHOT_BATCH))):
+        dst = simnet.IndexStore("back", os.path.join(root, f"flap-{name}"))
+        for i in range(0, len(old), MAX_BATCH):
+            dst.index.apply(old[i:i + MAX_BATCH])
+        c0 = time.process_time()
+        wire = [pb.ChangeBatch(from_node="source", entries=p).SerializeToString()
+                for p in pieces()]
+        c1 = time.process_time()
+        for data in wire:
+            b = pb.ChangeBatch()
+            b.ParseFromString(data)
+            got = list(b.entries)
+            for i in range(0, len(got), MAX_BATCH):
+                dst.index.apply(got[i:i + MAX_BATCH])
+        c2 = time.process_time()
+        if dst.digest() != src.digest():
+            raise AssertionError(f"the {name} catch-up left the indexes different")
+        out[f"flap_{name}_entries"] = sum(
+            len(pb.ChangeBatch.FromString(d).entries) for d in wire)
+        out[f"flap_{name}_serve_cpu_s"] = c1 - c0
+        out[f"flap_{name}_apply_cpu_s"] = c2 - c1
+        dst.close()
+    src.close()
+    return out
+
+
 def measure(s: Scenario, steps: int, steady: float) -> dict[str, Any]:
     """The phases common to the simulation and the gRPC check."""
     s.loop.run_until(s.loop.now + 5.0)  # warm-up: everyone probed a few times
@@ -349,6 +405,11 @@ def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: i
         snap = snapshot_join(entries, root)
         out.update(snap)
         out["join_s"] = max(out["join_membership_s"], snap["snapshot_s"])
+        flap = flap_catch_up(entries, root)
+        out.update(flap)
+        # After a flap the returning host serves one pull to each of the others.
+        out["flap_serve_cpu_s"] = (n - 1) * flap["flap_delta_serve_cpu_s"]
+        out["flap_serve_cpu_s_whole_index"] = (n - 1) * flap["flap_full_serve_cpu_s"]
         out["simulated_s"] = round(s.loop.now, 1)
         out["sim_cpu_s"] = round(time.process_time() - started, 1)
     finally:

@@ -262,8 +262,7 @@ def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
     from mtcfs.peer import index as index_mod
 
     clock = [1000.0]
-    monkeypatch.setattr(index_mod.time, "monotonic", lambda: clock[0])
-    src = simnet.IndexStore("h0", str(tmp_path / "src"))
+    src = simnet.IndexStore("h0", str(tmp_path / "src"), now=lambda: clock[0])
     src.index.apply([simnet.entry("d1", "root", "step_1", 1, "h0", is_dir=True),
                      *[simnet.entry(f"f{i}", "d1", f"shard-{i}", 2, "h0", size=i)
                        for i in range(20)]])
@@ -288,7 +287,7 @@ def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
     # from its store (a restarted daemon) cannot tell what changed before it started.
     assert src.index.delta_pieces(10**6, 10) is not None
     src.close()
-    src = simnet.IndexStore("h0", str(tmp_path / "src"))
+    src = simnet.IndexStore("h0", str(tmp_path / "src"), now=lambda: clock[0])
     clock[0] += 5
     assert src.index.delta_pieces(6, 10) is None
     assert [e for piece in src.index.delta_pieces(4, 10) for e in piece] == []

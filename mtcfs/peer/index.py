@@ -75,8 +75,10 @@ def entry_stamp(e: pb.Entry) -> tuple[int, str]:
 
 class ReplicatedIndex:
     def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
-                 copies: Copies | None = None) -> None:
+                 copies: Copies | None = None, now: Callable[[], float] | None = None
+                 ) -> None:
         self.ns = ns
+        self.now = now if now is not None else time.monotonic  # for change times
         self.node_id = node_id
         self.hooks = hooks or Hooks()
         self.copies = copies or Copies(node_id, ns=ns)  # where copies are: their one owner
@@ -88,14 +90,14 @@ class ReplicatedIndex:
         self.clock = max([n.lamport for n in ns.inodes.values()]
                          + [lam for lam, _, _ in self.tombstones.values()] + [0])
         self.stats = Stats()
-        # id -> time.monotonic() of its last change here (made here or applied), oldest
+        # id -> now() of its last change here (made here or applied), oldest
         # first: what changed in the last s seconds, for a host that was away that long.
         # Changes before recent_floor are not in it (this process started then, or the
         # oldest ones were forgotten).
         self.recent: dict[str, float] = {}
         # An index that starts empty has every change it will have in recent.
         known = len(ns.inodes) > 1 or self.tombstones
-        self.recent_floor = time.monotonic() if known else float("-inf")
+        self.recent_floor = self.now() if known else float("-inf")
         self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
         self.touched: list[Inode] = []  # nodes the last apply() created or changed
         # Nodes the last apply() said this host holds, which it does not: the tier
@@ -260,7 +262,7 @@ class ReplicatedIndex:
         pieces made as snapshot_pieces makes them: for a host that was away (seen dead)
         that long, instead of the whole snapshot. None when this index cannot tell:
         this process started, or forgot the oldest changes, after that."""
-        cutoff = time.monotonic() - since_s
+        cutoff = self.now() - since_s
         if cutoff < self.recent_floor:
             return None
         ids: list[str] = []
@@ -291,7 +293,7 @@ class ReplicatedIndex:
         """`gid` changed here now (made here or applied): it goes to the end of recent."""
         recent = self.recent
         recent.pop(gid, None)
-        recent[gid] = time.monotonic()
+        recent[gid] = self.now()
         while len(recent) > RECENT_MAX:
             self.recent_floor = recent.pop(next(iter(recent)))
 

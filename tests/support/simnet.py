@@ -105,10 +105,11 @@ class CompactStore:
 class IndexStore:
     """The real replicated index of one host (its metadata store in a temp dir)."""
 
-    def __init__(self, node_id: str, root: str) -> None:
+    def __init__(self, node_id: str, root: str,
+                 now: Callable[[], float] | None = None) -> None:
         os.makedirs(root, exist_ok=True)
         self.meta = MetaStore(os.path.join(root, "meta.db"))
-        self.index = ReplicatedIndex(Namespace(self.meta), node_id)
+        self.index = ReplicatedIndex(Namespace(self.meta), node_id, now=now)
 
     def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
         self.index.apply(list(batch.entries))
