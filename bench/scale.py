@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import multiprocessing
@@ -396,24 +397,30 @@ def measure(s: Scenario, steps: int, steady: float) -> dict[str, Any]:
 def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: int,
             steady: float) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="mtcfs-scale-", dir="/dev/shm")
-    started = time.process_time()
-    s = Scenario(n, seed, loss, real, root)
     try:
-        out = measure(s, steps, steady)
+        # The real indexes first, in a process as small as a daemon's: with the
+        # simulation's N hosts in memory, Python's garbage collector walks them all
+        # while 80,000 entries are applied (6.0 CPU-s at 1,000 hosts against 3.2).
+        gc.collect()
+        snap = snapshot_join(entries, root)
+        flap = flap_catch_up(entries, root)
+        started = time.process_time()
+        s = Scenario(n, seed, loss, real, root)
+        try:
+            out = measure(s, steps, steady)
+            out["simulated_s"] = round(s.loop.now, 1)
+            out["sim_cpu_s"] = round(time.process_time() - started, 1)
+        finally:
+            s.close()
         out["loss"] = loss
         del out["process_cpu_pct_per_host"]  # the simulator's own, not a host's
-        snap = snapshot_join(entries, root)
         out.update(snap)
         out["join_s"] = max(out["join_membership_s"], snap["snapshot_s"])
-        flap = flap_catch_up(entries, root)
         out.update(flap)
         # After a flap the returning host serves one pull to each of the others.
         out["flap_serve_cpu_s"] = (n - 1) * flap["flap_delta_serve_cpu_s"]
         out["flap_serve_cpu_s_whole_index"] = (n - 1) * flap["flap_full_serve_cpu_s"]
-        out["simulated_s"] = round(s.loop.now, 1)
-        out["sim_cpu_s"] = round(time.process_time() - started, 1)
     finally:
-        s.close()
         shutil.rmtree(root, ignore_errors=True)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
