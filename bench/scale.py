@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import Context, Row  # noqa: E402  (bench/common.py)
 
 from mtcfs.peer import placement  # noqa: E402
+from mtcfs.peer.index import gc_paused  # noqa: E402
 from mtcfs.peer.server import SNAPSHOT_BATCH  # noqa: E402
 from mtcfs.peer.tier import MAX_BATCH  # noqa: E402
 from mtcfs.peer.v1 import peer_pb2 as pb  # noqa: E402
@@ -295,16 +296,17 @@ def snapshot_join(entries: int, root: str) -> dict[str, float]:
         first = 0.0
         t0, c0 = time.perf_counter(), time.process_time()
         ours.send("go")
-        while piece := ours.recv_bytes():
-            if not pieces:
-                first = time.perf_counter() - t0
-            pieces += 1
-            size += len(piece)
-            b = pb.ChangeBatch()
-            b.ParseFromString(piece)
-            got = list(b.entries)
-            for i in range(0, len(got), MAX_BATCH):
-                dst.index.apply(got[i:i + MAX_BATCH])
+        with gc_paused():  # for the whole pull, as PeerTier._catch_up
+            while piece := ours.recv_bytes():
+                if not pieces:
+                    first = time.perf_counter() - t0
+                pieces += 1
+                size += len(piece)
+                b = pb.ChangeBatch()
+                b.ParseFromString(piece)
+                got = list(b.entries)
+                for i in range(0, len(got), MAX_BATCH):
+                    dst.index.apply(got[i:i + MAX_BATCH])
         t1, c1 = time.perf_counter(), time.process_time()
         serve_cpu, digest = ours.recv()
         proc.join(timeout=30)
@@ -356,12 +358,13 @@ def flap_catch_up(entries: int, root: str) -> dict[str, float]:
         wire = [pb.ChangeBatch(from_node="source", entries=p).SerializeToString()
                 for p in pieces()]
         c1 = time.process_time()
-        for data in wire:
-            b = pb.ChangeBatch()
-            b.ParseFromString(data)
-            got = list(b.entries)
-            for i in range(0, len(got), MAX_BATCH):
-                dst.index.apply(got[i:i + MAX_BATCH])
+        with gc_paused():
+            for data in wire:
+                b = pb.ChangeBatch()
+                b.ParseFromString(data)
+                got = list(b.entries)
+                for i in range(0, len(got), MAX_BATCH):
+                    dst.index.apply(got[i:i + MAX_BATCH])
         c2 = time.process_time()
         if dst.digest() != src.digest():
             raise AssertionError(f"the {name} catch-up left the indexes different")

@@ -302,3 +302,24 @@ def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
     assert src.index.delta_pieces(2, 10) is None
     src.close()
     dst.close()
+
+
+def test_the_collector_is_paused_while_snapshots_apply_and_back_after_the_last() -> None:
+    import gc
+
+    from mtcfs.peer.index import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # a second pull at the same time (a job starting together)
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # turned off by someone else: left off
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

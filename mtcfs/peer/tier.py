@@ -45,7 +45,7 @@ from mtcfs.peer import fanout, mover, placement, restore, wire
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
 from mtcfs.peer.dissemination import Broadcaster, Reply
-from mtcfs.peer.index import Hooks, ReplicatedIndex
+from mtcfs.peer.index import Hooks, ReplicatedIndex, gc_paused
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.security import BadRequest, check_entry
 from mtcfs.peer.server import Refused, start_server
@@ -343,10 +343,10 @@ class PeerTier(Listener):
 
     async def _catch_up(self, p: Peer, since: float = 0.0) -> bool:
         """Pull `p`'s snapshot (since > 0: what changed there in the last `since`
-        seconds, if it can tell; else all of it), applying
-        its pieces as they arrive (the source makes the next while this host applies
-        one). False: the pull failed (what arrived
-        is applied: every entry is a state merged by its stamp, any subset is sound)."""
+        seconds, if it can tell; else all of it), applying its pieces as they arrive
+        (the source makes the next while this host applies one). False: the pull
+        failed (what arrived is applied: every entry is a state merged by its stamp,
+        any subset is sound)."""
         send, recv = trio.open_memory_channel[list[pb.Entry]](4)
         token = trio.lowlevel.current_trio_token()
         bad = [0]
@@ -379,14 +379,15 @@ class PeerTier(Listener):
                 failed.append("abandoned")
 
         entries = applied = 0
-        async with trio.open_nursery() as n, recv:
-            n.start_soon(run_pull)
-            async for piece in recv:
-                entries += len(piece)
-                # In slices, so that FUSE requests are served between them.
-                for i in range(0, len(piece), MAX_BATCH):
-                    applied += self._apply(piece[i:i + MAX_BATCH])
-                    await trio.sleep(0)
+        with gc_paused():
+            async with trio.open_nursery() as n, recv:
+                n.start_soon(run_pull)
+                async for piece in recv:
+                    entries += len(piece)
+                    # In slices, so that FUSE requests are served between them.
+                    for i in range(0, len(piece), MAX_BATCH):
+                        applied += self._apply(piece[i:i + MAX_BATCH])
+                        await trio.sleep(0)
         if bad[0]:
             self._error(f"snapshot from {p.addr}: {bad[0]} malformed entries ignored")
         if failed:
