@@ -253,8 +253,10 @@ def test_full_tier_enospc_and_writers_that_wait_for_room(make_mount, make_gcs_se
         for _ in range(80):
             f.write(b"\0" * MiB)
     assert e.value.errno == errno.ENOSPC
-    os.unlink(m.path / "huge")
+    # The daemon notices the full tier on its next look (it polls): while the file
+    # still holds the space (once it is gone the tier may be free before that look).
     wait_until(lambda: m.status()["lifecycle"]["full_under_passthrough"] >= 1, timeout=10)
+    os.unlink(m.path / "huge")
     # Its space comes back once the kernel has released its last handle (asynchronous).
     wait_until(lambda: m.status()["ram"]["free"] > 56 * MiB, timeout=10,
                what="the removed file's space back")
