@@ -94,6 +94,33 @@ def test_close_marks_sealing_then_the_checksum_arrives(mnt):
     assert st["version"] == 1
 
 
+def test_a_write_during_the_checksum_pass_of_the_last_close_is_sealed_too(mnt):
+    """A file closed and, while the daemon's checksum pass over it runs (its release
+    comes after close returns), opened again through passthrough and appended to,
+    the handle open past the pass's end, then closed: the last close must seal the
+    append too. (It did not: the first release's end cleared "written through
+    passthrough" while the second writer was open, so its close sealed nothing and
+    the file kept its old size and checksum, the appended bytes in no version: the
+    POSIX model's rare "size 8 bytes short" with passthrough.)"""
+    data = blob(3, 64 * MiB) * 4  # (a pass over 256 MiB takes a while)
+    for i in range(4):
+        name = f"race{i}"
+        with open(mnt.path / name, "wb") as f:
+            f.write(data)
+        # Its release reached the daemon: the pass over it has begun.
+        wait_until(lambda name=name: mnt.state(name, settle=False)["state"] != "open",
+                   timeout=10)
+        with open(mnt.path / name, "ab") as f:  # during the pass, open past its end
+            f.write(b"8 bytes!")
+            f.flush()
+            time.sleep(0.5)
+        st = mnt.state(name)
+        assert st["state"] == "closed", st
+        assert (st["size"], st["crc32c"]) == (len(data) + 8, crc(data + b"8 bytes!")), (i, st)
+        assert os.stat(mnt.path / name).st_size == len(data) + 8
+        os.unlink(mnt.path / name)
+
+
 def test_concurrent_opens_of_one_file(mnt):
     """Reader, writer, O_APPEND and O_TRUNC opens of one file at the same time share
     one backing file; the kernel refuses none of them."""

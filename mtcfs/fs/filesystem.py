@@ -862,7 +862,10 @@ class Filesystem(Listener):
             if node.writers == 0 and (node.dirty or node.state == SEALING or node.pt_changed):
                 # The last writer is gone (with it any mapping): the final checksum.
                 await self.seal(node)
-                node.pt_changed = node.dirty and node.pt_writers > 0
+                # Still "written through passthrough" while anyone writes: a writer that
+                # opened during the seal's pass (the seal then left it to the last
+                # release) must find it so, or its close would seal nothing.
+                node.pt_changed = node.pt_changed and node.writers > 0
         self.ram.release(node.ino)
         if node.opens == 0 and node.ino not in self._sealing:
             self._crc.pop(node.ino, None)  # (a seal's pass in flight keeps its stream)
