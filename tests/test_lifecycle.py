@@ -470,6 +470,11 @@ def test_metrics_and_healthz(make_cluster, tmp_path):
     # A stopped daemon: /healthz (and the port) go away with it.
     os.kill(a.proc.pid, 19)  # SIGSTOP: the event loop stalls; the HTTP thread too
     try:
+        # (The stop is asynchronous: a request sent at once was answered once, in a
+        # loaded parallel run.)
+        stat = Path(f"/proc/{a.proc.pid}/stat")
+        wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", timeout=5,
+                   what="the daemon stopped")
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
     finally:
