@@ -871,8 +871,11 @@ def test_object_replaced_while_fetching(slow_fetch) -> None:
     old_gen = m.state("big.bin")["generation"]
     os.close(os.open(m.path / "big.bin", os.O_RDONLY))  # starts the fetch
     new = data_of(size, 73)
-    d.put_foreign("big.bin", new)
+    # The old generation's fetch runs (~2.4 s over the link) when the object is
+    # replaced. (Checked before the upload: under load the upload took long enough
+    # for the 1 s listing refresh to see the new generation and drop that fetch.)
     assert rt_status(m)["fetching"] == 1
+    d.put_foreign("big.bin", new)
     st = wait_for(lambda: (s := m.state("big.bin"))["generation"] != old_gen and s, 20,
                   "the refresh to pick up the new generation")
     assert st["size"] == size and st["crc32c"] == crc_hex(new)
