@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -295,10 +296,20 @@ def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
     if not opts.data_connections:
         return None, None
     from mtcfs.config import data_listen_address
-    from mtcfs.peer.bulk import BlockHashes, BulkPool, BulkServer, Keys, in_trio, tls_contexts
+    from mtcfs.peer.bulk import (
+        VERIFIERS,
+        BlockHashes,
+        BulkPool,
+        BulkServer,
+        Keys,
+        in_trio,
+        tls_contexts,
+    )
 
     keys = Keys(_secret(opts))
     hashes = BlockHashes()  # digests learned sending or receiving, used by both sides
+    # Threads that check landed blocks, for both sides (they share the 2 cores anyway).
+    verifier = ThreadPoolExecutor(VERIFIERS, "bulk-verify")
     try:
         server_tls, client_tls = tls_contexts(_tls(opts))
     except (OSError, ValueError) as e:
@@ -306,9 +317,10 @@ def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
     listen = data_listen_address(opts)
 
     def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
-        return BulkServer(handler, in_trio(token), keys, listen, server_tls, hashes=hashes)
+        return BulkServer(handler, in_trio(token), keys, listen, server_tls, hashes=hashes,
+                          verifier=verifier)
 
-    return BulkPool(keys, client_tls, opts.data_connections, hashes), server
+    return BulkPool(keys, client_tls, opts.data_connections, hashes, verifier), server
 
 
 def _secret(opts: MountOptions) -> bytes | None:

@@ -480,6 +480,19 @@ class BlockVerifier:
                 self._cur = self._pending = 0
         return out
 
+    def feed_crc(self, length: int, crc: int) -> list[tuple[int, int]]:
+        """The next whole block arrived and the caller computed its crc32c (over the
+        bytes where they landed): checked like feed() would."""
+        if self.blocks is None or self._pending or length != min(self.block,
+                                                                 self.size - self.good):
+            raise IntegrityError(f"{length} bytes at {self.offset} are not the next block")
+        index = self.good // self.block
+        if crc != self.blocks[index]:
+            raise IntegrityError(f"block {index} (bytes {self.good}-{self.good + length}) "
+                                 f"does not match its crc32c")
+        self.offset = self.good = self.good + length
+        return [(self.good - length, length)]
+
     def finish(self) -> list[tuple[int, int]]:
         """All bytes arrived: the remaining verification. Returns the ranges it verified."""
         if self.offset != self.size:

@@ -34,11 +34,11 @@ if [ ! -f .venv/.pyfuse3-passthrough ] && [ -z "${MTCFS_STOCK_PYFUSE3:-}" ]; the
 fi
 stamp=.venv/.mtcfs-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-        || ! .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, mtcfs' 2>/dev/null; then
+        || ! .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, crc32c, blake3, mtcfs' 2>/dev/null; then
     echo "bootstrap: installing mtcfs and its test dependencies into .venv"
     .venv/bin/pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
     .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, mtcfs' || {
+    .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, crc32c, blake3, mtcfs' || {
         echo "bootstrap: error: the .venv is incomplete (see pip output above)" >&2
         exit 1
     }

@@ -280,8 +280,10 @@ def test_bad_fetch_is_refused(channel, tmp_path, case):
     c.close()
 
 
-def test_fetched_block_with_bad_mac_is_not_written(channel, tmp_path):
-    """The reader's side: a block whose MAC does not match is never written."""
+def test_fetched_block_with_bad_mac_is_not_counted(channel, tmp_path):
+    """The reader's side: a block whose MAC does not match is never reported good (it
+    lands in the private file being filled, which no one reads before a block counts),
+    and its digest is not remembered for serving it on."""
     host, server = channel
     data = blob(6, 2 * BLOCK)
     e = entry_for(data)
@@ -293,11 +295,13 @@ def test_fetched_block_with_bad_mac_is_not_written(channel, tmp_path):
         f.write(b"\xff")
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
     got: list[tuple[int, int]] = []
+    pool = BulkPool(Keys(TOKEN), None, 1)  # one that knows no digest of the file
     with pytest.raises(bulk.IntegrityError):
         pool.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 2,
                    lambda off, n: got.append((off, n)))
     assert got == [(0, BLOCK)]  # the good block only
-    assert os.pread(out, BLOCK, BLOCK) == b""  # nothing written past it
+    assert pool.hashes.get("f1", 1, 0, BLOCK) is not None
+    assert pool.hashes.get("f1", 1, BLOCK, BLOCK) is None
 
 
 def test_a_held_replica_is_served_without_a_pass_for_its_macs(channel, tmp_path):

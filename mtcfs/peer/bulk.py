@@ -3,8 +3,11 @@ beside gRPC, which stays the control plane (index, health, push offers).
 
 Through gRPC every 1 MiB chunk was a protobuf message built and parsed in
 Python; here the sender hands the kernel a sendfile() from the RAM file and
-the receiver recv_into()s a reused buffer and pwrite()s it, in threads that
-release the GIL while the kernel copies.
+the receiver splice()s each block from the socket through a pipe into the
+destination file (one copy, in the kernel), then checks it through a mapping
+of the file in a second thread while the next block arrives. Receiving into a
+buffer and pwrite()ing it copied every byte twice, and the checks waited for
+the socket and the socket for the checks.
 
 Security is no weaker than the gRPC calls' token:
 
@@ -19,7 +22,9 @@ Security is no weaker than the gRPC calls' token:
   bytes (hash-then-MAC: as strong as the MAC of the bytes themselves while
   BLAKE3 resists collisions): a block cannot be altered, replayed, reordered or
   reflected. A block counts only after its MAC and its crc32c (against the
-  index's block crc32cs) both matched; nothing unverified is written.
+  index's block crc32cs) both matched. It lands in its file first, but only in
+  a file no one reads before it counts: a replica's temporary file, or the
+  private file a download fills, whose readers wait for verified ranges.
 - Because the MAC covers a digest, a host that knows a block's digest already
   does not read the block to send it: `BlockHashes` remembers the digests of
   blocks this host sent or verified (a push computes them once on the writer
@@ -43,10 +48,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import hmac
 import inspect
 import json
 import logging
+import mmap
 import os
 import select
 import socket
@@ -55,13 +62,15 @@ import struct
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
+import crc32c
 import google_crc32c
 from blake3 import blake3
 
-from mtcfs.checksums import BLOCK, BlockVerifier, IntegrityError, block_count
+from mtcfs.checksums import BLOCK, BlockVerifier, IntegrityError, block_count, crc32c_combine
 from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.server import PeerHandler, Refused
@@ -82,6 +91,8 @@ IDLE_TIMEOUT = 600.0  # a pooled connection with no request for this long is clo
 MAX_CONTROL = security.MAX_MESSAGE
 MAX_SERVER_CONNECTIONS = 64
 KEEPALIVE = 1.0  # a server waiting for a chunk tells the client so this often
+PIPE_SIZE = 1 << 20  # the pipe a connection splices received blocks through
+VERIFIERS = 8  # threads that check landed blocks (BLAKE3 and crc32c release the GIL)
 
 
 class BulkError(OSError):
@@ -164,6 +175,19 @@ def digest_of(data: memoryview | bytes) -> bytes:
     return blake3(data).digest()
 
 
+def _digest_and_crc_at(fd: int, offset: int, length: int) -> tuple[bytes, int]:
+    """The BLAKE3 digest and crc32c of bytes the file holds at [offset, offset+length),
+    read through a mapping (no copy). google-crc32c takes only bytes objects; the
+    crc32c package takes any buffer."""
+    skew = offset % mmap.ALLOCATIONGRANULARITY
+    if os.fstat(fd).st_size < offset + length:  # a mapped page past the end is SIGBUS
+        raise BulkError(f"the file shrank below {offset + length} bytes while it was filled")
+    with (mmap.mmap(fd, length + skew, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                    prot=mmap.PROT_READ, offset=offset - skew) as m,
+          memoryview(m) as whole, whole[skew:] as view):
+        return blake3(view).digest(), crc32c.crc32c(view)
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         n = sock.recv_into(view)
@@ -184,6 +208,8 @@ class Conn:
         self.buf = bytearray(BLOCK)
         self.view = memoryview(self.buf)
         self._hdr = bytearray(HEADER.size)
+        self._pipe: tuple[int, int] | None = None  # for splice(), made at first use
+        self._spare: memoryview | None = None  # a second buffer, to read one block ahead
         if not isinstance(sock, ssl.SSLSocket):
             secs = int(STALL_TIMEOUT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
@@ -192,6 +218,10 @@ class Conn:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+        if self._pipe is not None:
+            for p in self._pipe:
+                os.close(p)
+            self._pipe = None
 
     def stale(self) -> bool:
         """An idle connection with something to read was closed (or broken) by the other
@@ -226,10 +256,7 @@ class Conn:
         read once for it first. Bytes that changed since fail the receiver's check:
         never counted there."""
         if digest is None:
-            view = self.view[:length]
-            if os.preadv(fd, [view], offset) != length:
-                raise BulkError(f"the file is shorter than {offset + length} bytes")
-            digest = digest_of(view)
+            digest = self._read_digest(fd, offset, length, self.view)
         mac = self._mac_of(self.out_dir, self.sent, DATA, offset, length, digest)
         self.sent += 1
         self.sock.sendall(HEADER.pack(DATA, offset, length, mac))
@@ -237,20 +264,51 @@ class Conn:
             raise BulkError(f"the file is shorter than {offset + length} bytes")
         return digest
 
+    @staticmethod
+    def _read_digest(fd: int, offset: int, length: int, buf: memoryview) -> bytes:
+        view = buf[:length]
+        if os.preadv(fd, [view], offset) != length:
+            raise BulkError(f"the file is shorter than {offset + length} bytes")
+        return digest_of(view)
+
     def send_blocks(self, f: Any, fd: int, offset: int, end: int, hashes: BlockHashes,
-                    guid: str, version: int, before: Callable[[], None] | None = None
-                    ) -> Iterator[int]:
+                    guid: str, version: int, before: Callable[[], None] | None = None,
+                    ahead: Executor | None = None) -> Iterator[int]:
         """The blocks of bytes [offset, end) of a file (guid, version), with the digests
-        `hashes` knows (and learning the others); yields each block's length once sent."""
-        for off in range(offset, end, BLOCK):
-            n = min(BLOCK, end - off)
+        `hashes` knows (and learning the others); yields each block's length once sent.
+        A digest not known is computed in `ahead`'s threads, one block ahead, while the
+        kernel sends the block before (a read and BLAKE3 release the GIL)."""
+        spans = [(off, min(BLOCK, end - off)) for off in range(offset, end, BLOCK)]
+        known: dict[int, bytes | None] = {}
+        jobs: dict[int, Future[bytes]] = {}
+
+        def digest_of_span(i: int) -> bytes | None:
+            if i not in known:
+                off, n = spans[i]
+                known[i] = hashes.get(guid, version, off, n)
+            return known[i]
+
+        def read_ahead(i: int) -> None:
+            if ahead is None or i >= len(spans) or i in jobs or digest_of_span(i):
+                return
+            if self._spare is None:
+                self._spare = memoryview(bytearray(BLOCK))
+            buf = self.view if i % 2 else self._spare  # the job before used the other one
+            jobs[i] = ahead.submit(self._read_digest, fd, *spans[i], buf)
+
+        for i, (off, n) in enumerate(spans):
             if before is not None:
                 before()
-            known = hashes.get(guid, version, off, n)
-            digest = self.send_block(f, fd, off, n, known)
-            if known is None:
-                hashes.put(guid, version, off, n, digest)
+            read_ahead(i)
+            job = jobs.pop(i, None)
+            digest = digest_of_span(i) or (job.result() if job is not None else None)
+            read_ahead(i + 1)
+            sent = self.send_block(f, fd, off, n, digest)
+            if known.pop(i) is None:
+                hashes.put(guid, version, off, n, sent)
             yield n
+        for job in jobs.values():  # none left unless the caller stopped early
+            job.cancel()
 
     # -- receiving -------------------------------------------------------------------
 
@@ -306,6 +364,82 @@ class Conn:
             recv_exact(self.sock, view[len(data):])
             data = bytes(view)
         return data, self._check_mac(DATA, offset, data, mac)
+
+    def land_blocks(self, fd: int, blocks: Iterable[tuple[int, int]], verifier: Executor
+                    ) -> Iterator[tuple[int, int, bytes, int]]:
+        """Receive the data frames of `blocks` ((offset, length), in this order) into the
+        file `fd` at their offsets; yield (offset, length, digest, crc32c) for each once
+        its MAC matched (IntegrityError otherwise; BulkError for a frame out of place,
+        TimeoutError for a stall). The caller checks the crc32c before the block counts.
+
+        The bytes land before they are checked: `fd` must be a file nobody reads before
+        its blocks count, and that nobody shrinks meanwhile (checked through a mapping).
+        Over TLS the bytes pass through Python (ssl cannot splice) and are checked first."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            for off, n in blocks:
+                data, digest = self.recv_data(off, n, self._data_header(off, n))
+                os.pwrite(fd, data, off)
+                yield off, n, digest, google_crc32c.value(data)
+            return
+        pending: tuple[Future[tuple[bytes, int]], int, int, int, bytes] | None = None
+        timeout = self.sock.gettimeout()
+        # Blocking, for splice(); each call bounded by the receive timeout (SO_RCVTIMEO).
+        self.sock.settimeout(None)
+        try:
+            for off, n in blocks:
+                mac = self._data_header(off, n)
+                seq = self.received
+                self.received += 1
+                self._splice_into(fd, off, n)
+                # Checked in another thread while the next block arrives.
+                job = verifier.submit(_digest_and_crc_at, fd, off, n)
+                if pending is not None:
+                    yield self._landed(*pending)
+                pending = (job, seq, off, n, mac)
+            if pending is not None:
+                yield self._landed(*pending)
+        except BlockingIOError:
+            raise TimeoutError(f"no data for {STALL_TIMEOUT:g} s") from None
+        finally:
+            self.sock.settimeout(timeout)
+
+    def _data_header(self, off: int, n: int) -> bytes:
+        """The header of the data frame due next (the block at off of n bytes): its MAC."""
+        try:
+            kind, got, length, mac = self.recv_header()
+        except BlockingIOError:
+            raise TimeoutError(f"no data for {STALL_TIMEOUT:g} s") from None
+        if kind != DATA or got != off or length != n:
+            raise BulkError(f"{'block' if kind == DATA else 'control message'} at {got} of "
+                            f"{length} bytes; expected the block at {off} of {n}")
+        return mac
+
+    def _splice_into(self, fd: int, off: int, n: int) -> None:
+        """n bytes from the socket into fd at off: socket -> pipe -> file, in the kernel."""
+        if self._pipe is None:
+            r, w = os.pipe2(os.O_CLOEXEC)
+            with contextlib.suppress(OSError):  # a smaller pipe only means more calls
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+            self._pipe = (r, w)
+        r, w = self._pipe
+        sock = self.sock.fileno()
+        while n:
+            got = os.splice(sock, w, min(n, PIPE_SIZE), flags=os.SPLICE_F_MOVE)
+            if got == 0:
+                raise BulkError("connection closed by the other side")
+            n -= got
+            while got:
+                put = os.splice(r, fd, got, offset_dst=off, flags=os.SPLICE_F_MOVE)
+                got -= put
+                off += put
+
+    def _landed(self, job: Future[tuple[bytes, int]], seq: int, off: int, n: int, mac: bytes
+                ) -> tuple[int, int, bytes, int]:
+        digest, crc = job.result()
+        want = self._mac_of(self.in_dir, seq, DATA, off, n, digest)
+        if not hmac.compare_digest(want, mac):
+            raise IntegrityError(f"bad MAC on the frame at {off} ({n} bytes)")
+        return off, n, digest, crc
 
     def recv_control(self) -> dict[str, Any]:
         kind, offset, length, mac = self.recv_header()
@@ -428,8 +562,10 @@ class BulkServer:
     def __init__(self, handler: PeerHandler, in_owner: Callable[..., Any], keys: Keys,
                  listen: tuple[str, int], tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_SERVER_CONNECTIONS,
-                 hashes: BlockHashes | None = None) -> None:
+                 hashes: BlockHashes | None = None, verifier: Executor | None = None) -> None:
         self.handler = handler
+        self._own_verifier = verifier is None  # else whoever passed it shuts it down
+        self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.in_owner = in_owner
         self.keys = keys
         self.hashes = hashes if hashes is not None else BlockHashes()
@@ -469,6 +605,8 @@ class BulkServer:
 
     def stop(self) -> None:
         self._stopped = True
+        if self._own_verifier:
+            self.verifier.shutdown(wait=False)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -572,27 +710,19 @@ class BulkServer:
         ok = False
         try:
             conn.send_control({"ok": True})
-            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)  # read too: checked in a mapping
             yielded = 0.0
             try:
-                while True:
-                    kind, offset, length, mac = conn.recv_header()
-                    if kind == CONTROL:
-                        end = conn.recv_body(kind, offset, length, mac)
-                        if json.loads(bytes(end)).get("op") != "end":
-                            raise BadRequest("expected the end of the push")
-                        break
-                    if offset != verify.offset or length != min(BLOCK, e.size - offset):
-                        raise BadRequest(f"block at {offset} of {length} bytes; expected "
-                                         f"{verify.offset} of {min(BLOCK, e.size - offset)}")
-                    data, digest = conn.recv_data(offset, length, mac)
-                    verify.feed(data)  # raises IntegrityError on a bad crc32c
-                    os.pwrite(fd, data, offset)
+                blocks = ((off, min(BLOCK, e.size - off)) for off in range(0, e.size, BLOCK))
+                for offset, length, digest, crc in conn.land_blocks(fd, blocks, self.verifier):
+                    verify.feed_crc(length, crc)  # raises IntegrityError on a bad crc32c
                     digests.append((offset, length, digest))
                     self.bytes_received += length
                     # This host's trainer is writing: let it have the CPU (bounded).
                     yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
                 verify.finish()
+                if conn.recv_control().get("op") != "end":
+                    raise BadRequest("expected the end of the push")
             finally:
                 os.close(fd)
             conn.sock.settimeout(REPLY_TIMEOUT)
@@ -628,7 +758,8 @@ class BulkServer:
             end = size if length == 0 else min(size, offset + length)
             conn.send_control({"ok": True, "size": size})
             with open(fd, "rb", buffering=0, closefd=False) as f:
-                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version):
+                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version,
+                                          ahead=self.verifier):
                     self.bytes_served += n
         finally:
             os.close(fd)
@@ -663,7 +794,8 @@ class BulkServer:
                 raise BadRequest(f"bytes {offset}-{end} are beyond the file's {size}")
             conn.send_control({"ok": True, "have": True, "size": size})
             with open(fd, "rb", buffering=0, closefd=False) as f:
-                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version):
+                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version,
+                                          ahead=self.verifier):
                     self.bytes_served += n
                     self.chunk_bytes_served += n
         finally:
@@ -678,8 +810,10 @@ class BulkPool:
     and reused; used from worker threads (every call blocks)."""
 
     def __init__(self, keys: Keys, tls: ssl.SSLContext | None, connections: int,
-                 hashes: BlockHashes | None = None) -> None:
+                 hashes: BlockHashes | None = None, verifier: Executor | None = None) -> None:
         self.keys = keys
+        self._own_verifier = verifier is None  # else whoever passed it shuts it down
+        self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.tls = tls
         self.hashes = hashes if hashes is not None else BlockHashes()
         self.connections = connections
@@ -688,6 +822,8 @@ class BulkPool:
         self._lock = threading.Lock()
 
     def close(self) -> None:
+        if self._own_verifier:
+            self.verifier.shutdown(wait=False)
         with self._lock:
             for conns in self._idle.values():
                 for c in conns:
@@ -751,7 +887,7 @@ class BulkPool:
                 try:
                     with open(fd, "rb", buffering=0, closefd=False) as f:
                         for _ in c.send_blocks(f, fd, 0, size, self.hashes, entry.id,
-                                               entry.version, yield_to_writes):
+                                               entry.version, yield_to_writes, self.verifier):
                             pass
                     c.send_control({"op": "end"})
                 except OSError:
@@ -770,10 +906,10 @@ class BulkPool:
     def fetch(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
               size: int, block_crcs: bytes, first: int, last: int,
               on_block: Callable[[int, int], None]) -> None:
-        """Blocks [first, last) of a held file into fd at their offsets, each written
-        only once its MAC and crc32c matched, then reported through on_block (in this
-        thread). Raises BulkError, Remote or IntegrityError (the connection is dropped;
-        blocks reported so far stay good)."""
+        """Blocks [first, last) of a held file into fd at their offsets, each reported
+        through on_block (in this thread) once its MAC and crc32c matched. Raises
+        BulkError, Remote or IntegrityError (the connection is dropped; blocks reported
+        so far stay good)."""
         if len(block_crcs) != 4 * block_count(size):
             raise IntegrityError("the block crc32cs do not match the file's size")
         want = struct.unpack_from(f"<{last - first}I", block_crcs, 4 * first)
@@ -785,29 +921,26 @@ class BulkPool:
             if reply.get("size") != size:
                 raise Remote("FAILED_PRECONDITION", f"{reply.get('size')} bytes there, "
                                                     f"{size} here")
-            for i, off in enumerate(range(offset, end, BLOCK)):
-                kind, got, length, mac = c.recv_header()
-                if kind != DATA or got != off or length != min(BLOCK, end - off):
-                    raise BulkError(f"block at {got} of {length} bytes; expected {off}")
-                data, digest = c.recv_data(got, length, mac)
-                if google_crc32c.value(data) != want[i]:
+            blocks = ((off, min(BLOCK, end - off)) for off in range(offset, end, BLOCK))
+            for i, (off, length, digest, crc) in enumerate(c.land_blocks(fd, blocks,
+                                                                         self.verifier)):
+                if crc != want[i]:
                     e = IntegrityError(f"block at {off}: crc32c mismatch")
                     e.bad_range = (off, off + length)
                     raise e
-                os.pwrite(fd, data, off)
                 self.hashes.put(guid, version, off, length, digest)
                 on_block(off, length)
 
     def fetch_chunk(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
                     offset: int, length: int, crc: int, wait: bool,
                     stop: Callable[[], bool] | None = None) -> bool:
-        """One chunk of a file the server restores (or has) into fd at `offset`: each
-        frame written once its MAC matched, the chunk good only once its whole crc32c
-        matched (the caller shows no reader, and serves no peer, a byte of it before).
-        wait: the server keeps the request open while the chunk is still coming there
-        (stop(): the caller gives up waiting, at the next keepalive). Returns False
-        when the server will not have it; raises BulkError, Remote or
-        IntegrityError (the connection is dropped; the chunk is not good)."""
+        """One chunk of a file the server restores (or has) into fd at `offset`, good
+        only once every frame's MAC and the chunk's whole crc32c matched (the caller
+        shows no reader, and serves no peer, a byte of it before). wait: the server
+        keeps the request open while the chunk is still coming there (stop(): the
+        caller gives up waiting, at the next keepalive). Returns False when the server
+        will not have it; raises BulkError, Remote or IntegrityError (the connection is
+        dropped; the chunk is not good)."""
         with self.conn(addr) as c:
             c.send_control({"op": "chunk", "id": guid, "version": version, "path": path,
                             "offset": offset, "length": length, "wait": wait})
@@ -818,18 +951,13 @@ class BulkPool:
                 reply = c.recv_reply()
             if not reply.get("have"):
                 return False
-            got = whole = 0
+            whole = 0
             digests = []
-            while got < length:
-                kind, at, n, mac = c.recv_header()
-                want = min(BLOCK, length - got)
-                if kind != DATA or at != offset + got or n != want:
-                    raise BulkError(f"block at {at} of {n} bytes; expected {offset + got}")
-                data, digest = c.recv_data(at, n, mac)
-                whole = google_crc32c.extend(whole, data)
-                os.pwrite(fd, data, at)
+            blocks = ((at, min(BLOCK, offset + length - at))
+                      for at in range(offset, offset + length, BLOCK))
+            for at, n, digest, block_crc in c.land_blocks(fd, blocks, self.verifier):
+                whole = crc32c_combine(whole, block_crc, n)
                 digests.append((at, n, digest))
-                got += n
             if whole != crc:
                 e = IntegrityError(f"chunk at {offset}: crc32c mismatch")
                 e.bad_range = (offset, offset + length)

@@ -1023,7 +1023,9 @@ class PeerTier(Listener):
             def verified(off: int, length: int) -> None:
                 progress.next = off // BLOCK + 1
                 progress.bytes += length
-                trio.from_thread.run_sync(on_verified, off, length, trio_token=token)
+                # Not waited for: the next block lands meanwhile. Callbacks run in the
+                # order queued, and before this thread's end reaches the trio thread.
+                token.run_sync_soon(on_verified, off, length)
 
             bulk.fetch(self._data_addr(p), fd, guid, version, path, size, crcs, first, last,
                        verified)

@@ -212,6 +212,12 @@ class Host:
     def link_up(self) -> None:
         _ip("-n", self.cluster.bridge_ns, "link", "set", self.bridge_port, "up")
 
+    def limit_outgoing(self, rate: str) -> None:
+        """Shape what this host sends to `rate` (tc's form, e.g. "1gbit"): a token
+        bucket (tbf) on its end of the cable, so transfers from it take a known time."""
+        self.run(["tc", "qdisc", "replace", "dev", HOST_IF, "root", "tbf", "rate", rate,
+                  "burst", "1mb", "latency", "100ms"], check=True, capture_output=True)
+
     def drop_incoming_from(self, other: Host) -> None:
         """Drop every IPv4 packet from `other` arriving at this host."""
         self._nft_rule("input", "saddr", other.addr)
