@@ -262,25 +262,20 @@ class ReplicatedIndex:
                 if node.is_dir:
                     todo.append(ino)
         tombs = list(self.tombstones)
-        piece: list[pb.Entry] = []
         inodes, visible = self.ns.inodes, self.visible
-        for ino in order:
-            node = inodes.get(ino)
-            if node is not None and visible(node):
-                piece.append(self.entry_of(node))
-                if len(piece) >= size:
-                    yield piece
-                    piece = []
-        now = time.time()
-        for g in tombs:
-            tomb = self.tombstones.get(g)
-            if tomb is not None and now - tomb[2] < TOMBSTONE_TTL:
-                piece.append(pb.Entry(id=g, lamport=tomb[0], writer=tomb[1], removed=True))
-                if len(piece) >= size:
-                    yield piece
-                    piece = []
-        if piece:
-            yield piece
+
+        def entries() -> Iterator[pb.Entry]:
+            for ino in order:
+                node = inodes.get(ino)
+                if node is not None and visible(node):
+                    yield self.entry_of(node)
+            now = time.time()
+            for g in tombs:
+                tomb = self.tombstones.get(g)
+                if tomb is not None and now - tomb[2] < TOMBSTONE_TTL:
+                    yield _removal(g, tomb)
+
+        yield from _in_pieces(entries(), size)
 
     def delta_pieces(self, since_s: float, size: int) -> Iterator[list[pb.Entry]] | None:
         """What changed here in the last `since_s` seconds, oldest change first, in
@@ -299,20 +294,15 @@ class ReplicatedIndex:
         return self._pieces_of(ids, size)
 
     def _pieces_of(self, ids: list[str], size: int) -> Iterator[list[pb.Entry]]:
-        piece: list[pb.Entry] = []
-        for g in ids:
-            node = self.ns.by_global_id(g)
-            if node is not None and self.visible(node):
-                piece.append(self.entry_of(node))
-            elif (tomb := self.tombstones.get(g)) is not None:
-                piece.append(pb.Entry(id=g, lamport=tomb[0], writer=tomb[1], removed=True))
-            else:
-                continue
-            if len(piece) >= size:
-                yield piece
-                piece = []
-        if piece:
-            yield piece
+        def entries() -> Iterator[pb.Entry]:
+            for g in ids:
+                node = self.ns.by_global_id(g)
+                if node is not None and self.visible(node):
+                    yield self.entry_of(node)
+                elif (tomb := self.tombstones.get(g)) is not None:
+                    yield _removal(g, tomb)
+
+        return _in_pieces(entries(), size)
 
     def _note(self, gid: str) -> None:
         """`gid` changed here now (made here or applied): it goes to the end of recent."""
@@ -581,3 +571,20 @@ class ReplicatedIndex:
             "pending": self.stats.pending,
             "recent": len(self.recent),
         }
+
+
+def _removal(gid: str, tomb: tuple[int, str, float]) -> pb.Entry:
+    """The entry that says `gid` was removed (its tombstone: lamport, writer, when)."""
+    return pb.Entry(id=gid, lamport=tomb[0], writer=tomb[1], removed=True)
+
+
+def _in_pieces(entries: Iterator[pb.Entry], size: int) -> Iterator[list[pb.Entry]]:
+    """Entries in lists of at most `size`, each made only when it is asked for."""
+    piece: list[pb.Entry] = []
+    for e in entries:
+        piece.append(e)
+        if len(piece) >= size:
+            yield piece
+            piece = []
+    if piece:
+        yield piece
