@@ -245,6 +245,9 @@ class Cluster:
             str(replicas),
             *extra,
         ]
+        if "--data-listen" not in extra:
+            # Any free port: the default (--listen's port + 1) may be taken by then.
+            args += ["--data-listen", "127.0.0.1:0"]
         m = self.ctx.scratch.mount(name, self.ctx.ram_size, args)
         self.hosts[name] = m
         return m
