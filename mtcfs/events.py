@@ -98,6 +98,9 @@ class Listener:
     def peer_ready(self, peer: Peer) -> None:
         """A live peer says it is caught up (its index is whole) where it did not."""
 
+    def peer_restarted(self, peer: Peer) -> None:
+        """A live peer is a new process (seen before any death of it was)."""
+
 
 class Events(Listener):
     """The mount's dispatcher: calls each registered listener in turn."""
@@ -195,3 +198,7 @@ class Events(Listener):
     def peer_ready(self, peer: Peer) -> None:
         for x in self._listeners:
             x.peer_ready(peer)
+
+    def peer_restarted(self, peer: Peer) -> None:
+        for x in self._listeners:
+            x.peer_restarted(peer)

@@ -228,6 +228,26 @@ def test_a_child_that_has_the_batch_is_not_sent_it_again_for_being_slow() -> Non
     assert not a.complete(seq)
 
 
+def test_a_child_that_restarted_after_taking_the_batch_gets_it_again_at_once() -> None:
+    """A restarted child lost the batches its previous life took (and its subtree's
+    acks with them): it gets them again when membership sees the new life, not after
+    DELIVERED_RETRY, so a commit waiting for it is not held for 30 s."""
+    live = ["b", "c"]
+    a = fanout.Fanout("a", lambda: live, lambda *x: None, fanout=2, retry=0.25)
+    seq, _ = a.publish("batch", 5, 0.0)
+    for child in ("b", "c"):
+        a.delivered("a", seq, child)
+    out = a.restarted("b", 1.0)
+    assert [(dst, msg.seq, msg.payload) for dst, msg in out] == [("b", seq, "batch")]
+    assert a.restarted("c", 1.0)  # delivered: resent
+    assert a.restarted("b", 1.1) == []  # not delivered since: its resend is pending
+    assert a.restarted("x", 1.0) == []  # not a child of any batch
+    # The new life applies and acks it: the batch completes.
+    for child in ("b", "c"):
+        a.on_message(child, fanout.Ack("a", seq, child, "c" if child == "b" else "a"), 1.2)
+    assert a.complete(seq)
+
+
 def test_a_snapshot_made_in_pieces_while_the_index_changes_is_still_whole(tmp_path) -> None:
     """The source makes each piece when the stream takes it; changes between pieces
     (applied here too, as their broadcast reaches the requester) leave the requester

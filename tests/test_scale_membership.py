@@ -38,6 +38,24 @@ def test_a_suspected_host_refutes_with_a_higher_incarnation() -> None:
     assert b.state_of("a") != swim.DEAD
 
 
+def test_a_restarted_member_is_reported_and_a_refutation_is_not() -> None:
+    """A member's incarnation is its start time in ms: one that jumps by a second or
+    more while it stays alive is a new process (what it held as a tree child is lost);
+    a refutation (+1) is not, nor the first incarnation heard of a configured member."""
+    rec = swim.Recorder()
+    a = swim.Swim("a", ["b", "c"], rec, random.Random(0))
+    start = 1_700_000_000_000
+    a.on_message("b", swim.Message(swim.GOSSIP, updates=(swim.Update("b", swim.ALIVE,
+                                                                    start),)), 1.0)
+    a.on_message("c", swim.Message(swim.GOSSIP, updates=(swim.Update("b", swim.ALIVE,
+                                                                    start + 1),)), 2.0)
+    assert rec.restarted == [] and a.state_of("b") == swim.ALIVE
+    a.on_message("b", swim.Message(swim.GOSSIP, updates=(
+        swim.Update("b", swim.ALIVE, start + 1 + swim.RESTART_JUMP),)), 3.0)
+    assert rec.restarted == [("b", 0.0)]
+    assert not [n for n, _ in rec.dead if n == "b"]
+
+
 def test_false_suspicions_under_message_loss_are_refuted() -> None:
     net = simnet.cluster(40, seed=3, loss=0.12)
     net.loop.run_until(30.0)

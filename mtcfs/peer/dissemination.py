@@ -169,6 +169,10 @@ class Broadcaster:
         self._emit(out)
         self._notify()
 
+    def restarted(self, addr: str) -> None:
+        """`addr` is a new process: batches its previous life took are sent again now."""
+        self._emit(self.tree.restarted(addr, time.monotonic()))
+
     # -- publishing --------------------------------------------------------------------
 
     def publish(self, entries: list[pb.Entry]) -> None:

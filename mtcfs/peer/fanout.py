@@ -325,6 +325,19 @@ class Fanout:
             out.append(self._forward(node, (origin, seq, rkey), sub, alone))
         return out
 
+    def restarted(self, node: str, now: float) -> Out:
+        """`node` restarted (a new life, seen before any death): what it was handed in
+        its previous life is lost there, so it gets those batches again at once rather
+        than after DELIVERED_RETRY (a commit waits for its ack meanwhile)."""
+        out: Out = []
+        for key, t in self._subtrees():
+            c = t.children.get(node)
+            if c is not None and c.delivered:
+                c.sent, c.tries, c.delivered = now, c.tries + 1, False
+                self.counters.retries += 1
+                out.append(self._forward(node, key, t, c.end))
+        return out
+
     def dead(self, node: str, now: float) -> Out:
         """Membership declared `node` dead: its ranges go to its range's live hosts."""
         self._dead_since[node] = now

@@ -133,6 +133,8 @@ class MembershipEvents(Protocol):
 
     def peer_ready(self, peer: Peer) -> None: ...
 
+    def peer_restarted(self, peer: Peer) -> None: ...
+
     def peers_changed(self) -> None: ...
 
 
@@ -144,6 +146,9 @@ class _Unheard:
         pass
 
     def peer_ready(self, peer: Peer) -> None:
+        pass
+
+    def peer_restarted(self, peer: Peer) -> None:
         pass
 
     def peers_changed(self) -> None:
@@ -294,6 +299,12 @@ class Membership:
 
     def member_dead(self, node: str) -> None:
         self._refresh(node)
+
+    def member_restarted(self, node: str) -> None:
+        p = self.peers.get(node)
+        if p is not None and p.alive:
+            log.info("peer %s (%s) restarted", p.addr, p.node_id)
+            self.events.peer_restarted(p)
 
     def declared_dead(self) -> None:
         log.warning("the other hosts declared this host dead (cut off, or too slow): "

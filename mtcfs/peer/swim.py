@@ -59,6 +59,9 @@ STATE_NAMES = {ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
 
 PING, ACK, PING_REQ, GOSSIP, SYNC, SYNC_REPLY = range(6)
 
+# A member's incarnation starts at its start time in ms and refutations add 1: one
+# that jumped this much (a second) is a restarted process.
+RESTART_JUMP = 1000
 TICK = 0.05  # the driver calls tick() this often: timers fire within one tick
 
 
@@ -106,6 +109,10 @@ class SwimListener(Protocol):
     def member_alive(self, node: str) -> None: ...
 
     def member_dead(self, node: str) -> None: ...
+
+    def member_restarted(self, node: str) -> None:
+        """`node` came back in a new life (its incarnation, its start time in ms, jumped
+        by RESTART_JUMP or more) without being declared dead here first."""
 
     def declared_dead(self) -> None:
         """Others declared this host dead (it was cut off, or too slow): it refuted, and
@@ -446,7 +453,7 @@ class Swim:
             newer = m.state != DEAD and u.incarnation >= m.incarnation
         if not newer:
             return
-        was = m.state
+        was, was_incarnation = m.state, m.incarnation
         m.state, m.incarnation = u.state, u.incarnation
         self._index(u.node, was, u.state)
         if u.state == SUSPECT:
@@ -456,6 +463,9 @@ class Swim:
         self._spread(u)
         if was == DEAD and u.state != DEAD:
             self.listener.member_alive(u.node)
+        elif (u.state == ALIVE and was_incarnation > 0  # (0: not heard of yet)
+              and u.incarnation - was_incarnation >= RESTART_JUMP):
+            self.listener.member_restarted(u.node)
         elif u.state == DEAD:
             self.counters.deaths += 1
             for seq in [s for s, p in self._probes.items() if p.target == u.node]:
@@ -527,6 +537,7 @@ class Recorder:
     alive: list[tuple[str, float]] = field(default_factory=list)
     dead: list[tuple[str, float]] = field(default_factory=list)
     revived: list[float] = field(default_factory=list)
+    restarted: list[tuple[str, float]] = field(default_factory=list)
     clock: Callable[[], float] = lambda: 0.0
 
     def member_alive(self, node: str) -> None:
@@ -534,6 +545,9 @@ class Recorder:
 
     def member_dead(self, node: str) -> None:
         self.dead.append((node, self.clock()))
+
+    def member_restarted(self, node: str) -> None:
+        self.restarted.append((node, self.clock()))
 
     def declared_dead(self) -> None:
         self.revived.append(self.clock())

@@ -41,7 +41,7 @@ from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.fs.writeclock import WriteClock
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.retired import RetiredSteps
-from mtcfs.peer import fanout, mover, placement, restore, wire
+from mtcfs.peer import fanout, mover, placement, restore, swim, wire
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
 from mtcfs.peer.dissemination import Broadcaster, Reply
@@ -66,7 +66,6 @@ MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between sl
 # message to us (what it sent us just before the cut may not have arrived; the trees
 # resend a batch to a child for up to about this long).
 DELTA_MARGIN = 30.0
-RESTART_JUMP = 1000  # a peer whose incarnation (its start in ms) is this much newer restarted
 REPLICATION_WORKERS = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
@@ -294,6 +293,9 @@ class PeerTier(Listener):
         # by gossip before it spoke to us: caught up with once it says it is ready.)
         self._requeue_unreplicated()
 
+    def peer_restarted(self, peer: Peer) -> None:
+        self.broadcaster.restarted(peer.addr)
+
     def peer_ready(self, peer: Peer) -> None:
         if peer.addr in self._owed:  # back by gossip before it spoke to us
             self._catch_up_with(peer)
@@ -310,7 +312,7 @@ class PeerTier(Listener):
         since = 0.0
         if owed is not None:
             last_heard, incarnation = owed
-            if self.members.incarnation_of(peer.addr) - incarnation >= RESTART_JUMP:
+            if self.members.incarnation_of(peer.addr) - incarnation >= swim.RESTART_JUMP:
                 log.info("peer %s (%s) restarted while it was away: nothing to pull",
                          peer.addr, peer.node_id)
                 return

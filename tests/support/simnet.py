@@ -182,6 +182,9 @@ class SimHost:
         self.marked_dead[node] = self.net.loop.now
         self._out += self.tree.dead(node, self.net.loop.now)
 
+    def member_restarted(self, node: str) -> None:
+        self._out += self.tree.restarted(node, self.net.loop.now)
+
     def declared_dead(self) -> None:
         """Reconcile with one live host, as the daemon's catch-up does: pull its
         snapshot, and send it (and everyone) what this host wrote (one batch)."""
