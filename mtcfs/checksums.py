@@ -470,15 +470,19 @@ class BlockVerifier:
             self.offset += take
             view = view[take:]
             if self._pending == bsize:
-                index = self.good // self.block
-                if self._cur != self.blocks[index]:
-                    raise IntegrityError(
-                        f"block {index} (bytes {self.good}-{self.good + bsize}) does not "
-                        f"match its crc32c")
-                out.append((self.good, bsize))
-                self.good += bsize
+                out.append(self._block_done(self._cur, bsize))
                 self._cur = self._pending = 0
         return out
+
+    def _block_done(self, crc: int, bsize: int) -> tuple[int, int]:
+        """The block at `good` is whole and its crc32c is `crc`: checked and counted."""
+        assert self.blocks is not None
+        index = self.good // self.block
+        if crc != self.blocks[index]:
+            raise IntegrityError(f"block {index} (bytes {self.good}-{self.good + bsize}) "
+                                 f"does not match its crc32c")
+        self.good += bsize
+        return self.good - bsize, bsize
 
     def feed_crc(self, length: int, crc: int) -> list[tuple[int, int]]:
         """The next whole block arrived and the caller computed its crc32c (over the
@@ -486,12 +490,8 @@ class BlockVerifier:
         if self.blocks is None or self._pending or length != min(self.block,
                                                                  self.size - self.good):
             raise IntegrityError(f"{length} bytes at {self.offset} are not the next block")
-        index = self.good // self.block
-        if crc != self.blocks[index]:
-            raise IntegrityError(f"block {index} (bytes {self.good}-{self.good + length}) "
-                                 f"does not match its crc32c")
-        self.offset = self.good = self.good + length
-        return [(self.good - length, length)]
+        self.offset += length
+        return [self._block_done(crc, length)]
 
     def finish(self) -> list[tuple[int, int]]:
         """All bytes arrived: the remaining verification. Returns the ranges it verified."""

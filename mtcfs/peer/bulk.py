@@ -188,6 +188,11 @@ def _digest_and_crc_at(fd: int, offset: int, length: int) -> tuple[bytes, int]:
         return blake3(view).digest(), crc32c.crc32c(view)
 
 
+def spans(start: int, end: int) -> list[tuple[int, int]]:
+    """The (offset, length) of each block of bytes [start, end) (start on a boundary)."""
+    return [(off, min(BLOCK, end - off)) for off in range(start, end, BLOCK)]
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         n = sock.recv_into(view)
@@ -278,25 +283,25 @@ class Conn:
         `hashes` knows (and learning the others); yields each block's length once sent.
         A digest not known is computed in `ahead`'s threads, one block ahead, while the
         kernel sends the block before (a read and BLAKE3 release the GIL)."""
-        spans = [(off, min(BLOCK, end - off)) for off in range(offset, end, BLOCK)]
+        blocks = spans(offset, end)
         known: dict[int, bytes | None] = {}
         jobs: dict[int, Future[bytes]] = {}
 
         def digest_of_span(i: int) -> bytes | None:
             if i not in known:
-                off, n = spans[i]
+                off, n = blocks[i]
                 known[i] = hashes.get(guid, version, off, n)
             return known[i]
 
         def read_ahead(i: int) -> None:
-            if ahead is None or i >= len(spans) or i in jobs or digest_of_span(i):
+            if ahead is None or i >= len(blocks) or i in jobs or digest_of_span(i):
                 return
             if self._spare is None:
                 self._spare = memoryview(bytearray(BLOCK))
             buf = self.view if i % 2 else self._spare  # the job before used the other one
-            jobs[i] = ahead.submit(self._read_digest, fd, *spans[i], buf)
+            jobs[i] = ahead.submit(self._read_digest, fd, *blocks[i], buf)
 
-        for i, (off, n) in enumerate(spans):
+        for i, (off, n) in enumerate(blocks):
             if before is not None:
                 before()
             read_ahead(i)
@@ -713,8 +718,8 @@ class BulkServer:
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)  # read too: checked in a mapping
             yielded = 0.0
             try:
-                blocks = ((off, min(BLOCK, e.size - off)) for off in range(0, e.size, BLOCK))
-                for offset, length, digest, crc in conn.land_blocks(fd, blocks, self.verifier):
+                for offset, length, digest, crc in conn.land_blocks(fd, spans(0, e.size),
+                                                                    self.verifier):
                     verify.feed_crc(length, crc)  # raises IntegrityError on a bad crc32c
                     digests.append((offset, length, digest))
                     self.bytes_received += length
@@ -921,9 +926,8 @@ class BulkPool:
             if reply.get("size") != size:
                 raise Remote("FAILED_PRECONDITION", f"{reply.get('size')} bytes there, "
                                                     f"{size} here")
-            blocks = ((off, min(BLOCK, end - off)) for off in range(offset, end, BLOCK))
-            for i, (off, length, digest, crc) in enumerate(c.land_blocks(fd, blocks,
-                                                                         self.verifier)):
+            for i, (off, length, digest, crc) in enumerate(
+                    c.land_blocks(fd, spans(offset, end), self.verifier)):
                 if crc != want[i]:
                     e = IntegrityError(f"block at {off}: crc32c mismatch")
                     e.bad_range = (off, off + length)
@@ -953,9 +957,8 @@ class BulkPool:
                 return False
             whole = 0
             digests = []
-            blocks = ((at, min(BLOCK, offset + length - at))
-                      for at in range(offset, offset + length, BLOCK))
-            for at, n, digest, block_crc in c.land_blocks(fd, blocks, self.verifier):
+            for at, n, digest, block_crc in c.land_blocks(fd, spans(offset, offset + length),
+                                                           self.verifier):
                 whole = crc32c_combine(whole, block_crc, n)
                 digests.append((at, n, digest))
             if whole != crc:
