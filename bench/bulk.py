@@ -32,8 +32,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_DIR, BenchError, Context, MiB, Row, code_version, err, mib_s, save_details
-from grpc_reference import cpu_seconds
+from common import (
+    BENCH_DIR,
+    BenchError,
+    Context,
+    MiB,
+    Row,
+    code_version,
+    cpu_seconds,
+    err,
+    mib_s,
+    save_details,
+)
 from peers import (
     Cluster,
     prefetch_seconds,

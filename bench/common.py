@@ -113,6 +113,13 @@ def proc_field(pid: int, name: str, key: str) -> int:
     raise BenchError(f"no {key} in /proc/{pid}/{name}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 _alive = process_alive  # a zombie counts as gone
 
 

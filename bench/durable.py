@@ -42,6 +42,7 @@ from common import (
     Mount,
     Row,
     alternating_pair,
+    cpu_seconds,
     drop_caches,
     err,
     fmt,
@@ -59,15 +60,7 @@ from support.gcs_server import GcsServer
 BUCKET = "mtcfs-bench"
 POLL = 0.025  # seconds between progress polls
 RCLONE_REMOTE = "benchgcs"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 class Gcs:

@@ -158,7 +158,8 @@ def serve(root: Path, host: str, port: int, exit_on_eof: bool) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far."""
+    """User + system CPU time of a process (all its threads) so far. (common.cpu_seconds's
+    twin: this reference runs as a process of its own, without mtcfs or rich.)"""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK

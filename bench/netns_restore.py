@@ -40,6 +40,7 @@ from common import (
     Context,
     Row,
     code_version,
+    cpu_seconds,
     err,
     median,
     mib_s,
@@ -62,12 +63,6 @@ with open(src, "rb") as f:
     assert s.recv(1) == b"k"
     print(time.monotonic() - t0, flush=True)
 """
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _shape(host: Any, on: bool) -> None:
@@ -162,7 +157,7 @@ def group(ctx: Context) -> list[Row]:
                            what=f"{r.node_id} to see h0..h{k - 1}")
                 pids = [h.proc.pid for h in holders[:k] if h.proc is not None]
                 assert r.proc is not None
-                c0 = _cpu_seconds(r.proc.pid), sum(_cpu_seconds(p) for p in pids)
+                c0 = cpu_seconds(r.proc.pid), sum(cpu_seconds(p) for p in pids)
                 if prefetch:
                     res = {"ok": True, "size": size, "elapsed": prefetch_seconds(r.mp, [rel])}
                 else:
@@ -170,7 +165,7 @@ def group(ctx: Context) -> list[Row]:
                                                         str(r.path(rel))],
                                                        stdout=subprocess.PIPE, text=True),
                                       600, f"restore on {r.node_id}")
-                c1 = _cpu_seconds(r.proc.pid), sum(_cpu_seconds(p) for p in pids)
+                c1 = cpu_seconds(r.proc.pid), sum(cpu_seconds(p) for p in pids)
                 if not res["ok"] or res["size"] != size:
                     raise BenchError(f"restore on {r.node_id}: {res}")
                 by = r.status()["fetch"]["bytes_by_source"]

@@ -68,6 +68,7 @@ from common import (
     Row,
     alternating_pair,
     code_version,
+    cpu_seconds,
     drop_caches,
     err,
     fmt,
@@ -75,7 +76,7 @@ from common import (
     mib_s,
     save_details,
 )
-from durable import _quiesce, cpu_seconds
+from durable import _quiesce
 from grpc_reference import GrpcServer
 from ramtier import _size
 
