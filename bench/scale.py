@@ -326,11 +326,12 @@ def flap_catch_up(entries: int, root: str) -> dict[str, float]:
     """A host back after a short absence (a partition healed, a false death), during
     which one step was written (FILES_PER_HOST files per host): what one catch-up
     pull costs when the source sends its whole index against only what changed
-    there (the delta of the absence + DELTA_MARGIN seconds). Both sides are real
-    indexes; the requester already has everything but the step. CPU seconds of the
-    source (making and encoding the pieces) and the requester (decoding, applying);
-    after a flap every host that saw the returning one dead makes one such pull."""
-    from mtcfs.peer.tier import DELTA_MARGIN
+    there (the delta of the absence + the designated puller's margins). Both sides
+    are real indexes; the requester already has everything but the step. CPU seconds
+    of the source (making and encoding the pieces) and the requester (decoding,
+    applying); after a flap one host of the other side makes such a pull and
+    republishes what it got down the tree."""
+    from mtcfs.peer.catchup import DELTA_MARGIN, HANDOFF_SLACK
 
     away = 10.0
     clock = [0.0]
@@ -348,9 +349,9 @@ def flap_catch_up(entries: int, root: str) -> dict[str, float]:
                          for k in range(FILES_PER_HOST)])
     clock[0] += away
     out: dict[str, float] = {"flap_changed_entries": hosts * FILES_PER_HOST + 1}
+    reach = away + DELTA_MARGIN + HANDOFF_SLACK
     for name, pieces in (("full", lambda: src.index.snapshot_pieces(SNAPSHOT_BATCH)),
-                         ("delta", lambda: src.index.delta_pieces(away + DELTA_MARGIN,
-                                                                  SNAPSHOT_BATCH))):
+                         ("delta", lambda: src.index.delta_pieces(reach, SNAPSHOT_BATCH))):
         dst = simnet.IndexStore("back", os.path.join(root, f"flap-{name}"))
         for i in range(0, len(old), MAX_BATCH):
             dst.index.apply(old[i:i + MAX_BATCH])
@@ -420,8 +421,13 @@ def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: i
         out.update(snap)
         out["join_s"] = max(out["join_membership_s"], snap["snapshot_s"])
         out.update(flap)
-        # After a flap the returning host serves one pull to each of the others.
-        out["flap_serve_cpu_s"] = (n - 1) * flap["flap_delta_serve_cpu_s"]
+        # After a flap the returning host serves one pull, the designated host's of
+        # the other side (mtcfs.peer.catchup), which republishes it down the tree:
+        # each other host applies it once (as it applied the pull it made before).
+        # Before, every host that saw it dead pulled: N-1 pulls to serve.
+        out["flap_serve_cpu_s"] = flap["flap_delta_serve_cpu_s"]
+        out["flap_apply_cpu_s_per_host"] = flap["flap_delta_apply_cpu_s"]
+        out["flap_serve_cpu_s_one_pull_per_host"] = (n - 1) * flap["flap_delta_serve_cpu_s"]
         out["flap_serve_cpu_s_whole_index"] = (n - 1) * flap["flap_full_serve_cpu_s"]
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -253,6 +253,13 @@ def batch(*entries: pb.Entry, from_node: str = SENDER) -> pb.ChangeBatch:
     return pb.ChangeBatch(from_node=from_node, lamport=LAMPORT, entries=entries)
 
 
+def marked(marker: pb.CaughtUp) -> pb.ChangeBatch:
+    """A good entry with a catch-up marker (mtcfs.peer.catchup)."""
+    b = good_batch()
+    b.caught_up.CopyFrom(marker)
+    return b
+
+
 def good_batch() -> pb.ChangeBatch:
     d = dir_entry(name=b"remote-dir-" + new_id().encode())
     return batch(d, entry(parent=d.id, name=b"shard"))
@@ -394,6 +401,14 @@ BAD_BATCHES: dict[str, Callable[[], pb.ChangeBatch]] = {
     "lamport 2**64-1": lambda: batch(entry(lamport=2**64 - 1)),
     "20000 entries": lambda: batch(*[dir_entry(name=b"d%d" % i) for i in range(20000)]),
     "a good entry, then a bad one": lambda: batch(dir_entry(), entry(name=b"..")),
+    "a catch-up marker of 100001 hosts": lambda: marked(
+        pb.CaughtUp(hosts=[f"10.0.0.1:{i}" for i in range(100_001)])),
+    "a catch-up marker with an empty host": lambda: marked(pb.CaughtUp(hosts=[""])),
+    "a catch-up marker with a 301-byte host": lambda: marked(pb.CaughtUp(hosts=["h" * 301])),
+    "a catch-up marker from NaN": lambda: marked(pb.CaughtUp(hosts=["10.0.0.1:1"],
+                                                             since_unix=float("nan"))),
+    "a catch-up marker from before 1970": lambda: marked(pb.CaughtUp(hosts=["10.0.0.1:1"],
+                                                                     since_unix=-1.0)),
 }
 
 
@@ -414,7 +429,8 @@ BAD_FORWARDS: dict[str, Callable[[], pb.TreeMessage]] = {
     **{f"batch with {case}": (lambda make=BAD_BATCHES[case]: forward(make()))
        for case in ("name ..", "id ../x", "entry for the root", "parent ../x",
                     "holder ../x", "sender a/b", "lamport 2**64-1", "20000 entries",
-                    "a good entry, then a bad one")},
+                    "a good entry, then a bad one", "a catch-up marker from NaN",
+                    "a catch-up marker with an empty host")},
     "batch number 0": lambda: forward(good_batch(), seq=0),
     "batch number 2**63": lambda: forward(good_batch(), seq=2**63),
     "no sender": lambda: forward(good_batch(), from_node=""),

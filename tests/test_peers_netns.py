@@ -478,16 +478,34 @@ def test_partition_heals_both_ways(make_net) -> None:
                    what=f"{node.node_id} to have the merged tree "
                         f"(has {tree(node, 'job')})")
         print(f"[netns] {node.node_id} converged {time.monotonic() - t0:.2f}s after link_up")
-    # Each side caught up with the other by what changed there lately (a delta: the
-    # last 30 s before the cut and since, here all of it), not by the whole index:
-    # h2 pulled from h0 and h1, they from h2.
-    wait_until(lambda: h2.pstatus()["delta_snapshots_pulled"] >= 2
-               and all(n.pstatus()["delta_snapshots_pulled"] >= 1 for n in (h0, h1)), 10,
-               what="the catch-ups after the heal")
-    for n in (h0, h1, h2):
-        st = n.pstatus()
-        assert st["delta_snapshots_served"] >= 1, st
-        assert st["snapshot_entries_served"] > served[n.node_id], st
+    # Each side caught up with the other once, by what changed there lately (a delta:
+    # the last 30 s before the cut and since, here all of it), not by the whole index:
+    # h2 pulled from one of h0 and h1 (its snapshot covers the other); of h0 and h1,
+    # the one after h2 on their ring pulled from h2, republished it down the tree and
+    # told the other, which pulled nothing.
+    first, second = sorted((h0, h1), key=lambda n: n.addr)
+    puller, told = (second, first) if first.addr < h2.addr < second.addr else (first, second)
+    try:
+        wait_until(lambda: told.pstatus()["catch_ups"]["covered_by_markers"] >= 1
+                   and all(not n.pstatus()["catch_ups"]["pending"] for n in (h0, h1, h2)),
+                   15, what=f"{told.node_id} to be told {puller.node_id} caught up for it")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: " + "\n".join(
+            f"{n.node_id} ({n.addr}): {n.pstatus()['catch_ups']}\n"
+            + "\n".join(line for line in n.log().splitlines() if "catch" in line
+                        or "back" in line or "dead" in line) for n in (h0, h1, h2))) from e
+    cu = {n.node_id: n.pstatus()["catch_ups"] for n in (h0, h1, h2)}
+    print(f"[netns] catch-ups: {cu}")
+    # (h1 and h0 may be seen back together, or one after the pull from the other.)
+    assert cu[h2.node_id]["pulls"] == 1, cu
+    assert cu[h2.node_id]["covered_by_pulls"] + cu[h2.node_id]["covered_by_earlier"] == 1, cu
+    assert cu[puller.node_id]["pulls"] == 1 and cu[puller.node_id]["markers_sent"] == 1, cu
+    assert cu[told.node_id]["pulls"] == 0 and cu[told.node_id]["handoff_timeouts"] == 0, cu
+    st = {n.node_id: n.pstatus() for n in (h0, h1, h2)}
+    assert st[h2.node_id]["delta_snapshots_pulled"] == 1, st[h2.node_id]
+    assert st[h2.node_id]["delta_snapshots_served"] == 1, st[h2.node_id]
+    assert st[h2.node_id]["snapshot_entries_served"] > served[h2.node_id]
+    assert sum(st[n.node_id]["delta_snapshots_served"] for n in (h0, h1)) == 1, st
     assert h2.path("job/subdir/keep").read_bytes() == b"keep" * 1000
     assert h2.path("job/new-during-partition").read_bytes() == b"new" * 5000
     res = h0.read("job/from-h2")

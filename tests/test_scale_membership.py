@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from mtcfs.peer import swim
 
 from support import simnet
@@ -68,11 +70,49 @@ def test_false_suspicions_under_message_loss_are_refuted() -> None:
     assert net.loop.run_until_true(lambda: everyone_sees_everyone(net), 10.0) is not None
 
 
-def test_a_partitioned_minority_is_declared_dead_and_rejoins_when_healed() -> None:
-    net = simnet.cluster(40, seed=5)
+def test_a_healed_partition_does_not_make_the_larger_side_flap() -> None:
+    """Seen on real daemons (3 hosts, one cut off for a few seconds): the cut-off host's
+    first message after the heal says the others are dead, fresh news. A host of the
+    larger side refutes its own death, but must neither take the cut-off host's view
+    (SYNC) nor keep spreading its own deaths news; it syncs from a host of its side."""
+    rec = swim.Recorder()
+    a = swim.Swim("a", ["b", "c"], rec, random.Random(0))
+    for src in ("b", "c"):
+        a.on_message(src, swim.Message(swim.GOSSIP, incarnation=5), 1.0)
+    a.on_message("b", swim.Message(swim.GOSSIP, incarnation=5,
+                                   updates=(swim.Update("c", swim.DEAD, 5),)), 2.0)
+    assert a.state_of("c") == swim.DEAD
+    # c speaks again, at the life a holds dead: "a and b are dead".
+    out = a.on_message("c", swim.Message(swim.PING, seq=9, incarnation=5, updates=(
+        swim.Update("a", swim.DEAD, 0), swim.Update("b", swim.DEAD, 5))), 3.0)
+    assert a.incarnation == 1 and a.state_of("b") == swim.ALIVE
+    assert [m.kind for dst, m in out] == [swim.ACK], out  # no SYNC to c
+    assert a.counters.death_news_dropped >= 1
+    # Its refutation goes out; its deaths news does not (only c itself is told).
+    sent = [u for dst, m in a.tick(3.05) + a.tick(3.3) if dst != "c" for u in m.updates]
+    assert swim.Update("a", swim.ALIVE, 1) in sent, sent
+    assert not [u for u in sent if u.state == swim.DEAD], sent
+    # b (of a's side) speaks: a syncs from it.
+    out = a.on_message("b", swim.Message(swim.GOSSIP, incarnation=5), 3.1)
+    assert [(dst, m.kind) for dst, m in out] == [("b", swim.SYNC)], out
+    # Alone on its side (everyone else dead), a host syncs from whoever speaks.
+    z = swim.Swim("z", ["x", "y"], swim.Recorder(), random.Random(1))
+    for src in ("x", "y"):
+        z.on_message(src, swim.Message(swim.GOSSIP, incarnation=5), 1.0)
+        z.on_message(src, swim.Message(swim.GOSSIP, incarnation=5,
+                                       updates=(swim.Update(src, swim.DEAD, 5),)), 1.5)
+    out = z.on_message("x", swim.Message(swim.PING, seq=3, incarnation=5,
+                                         updates=(swim.Update("z", swim.DEAD, 0),)), 2.0)
+    assert ("x", swim.SYNC) in [(dst, m.kind) for dst, m in out], out
+
+
+@pytest.mark.parametrize(("hosts", "cut"), [(40, 5), (40, 18), (3, 1)])
+def test_a_partitioned_minority_is_declared_dead_and_rejoins_when_healed(hosts: int,
+                                                                         cut: int) -> None:
+    net = simnet.cluster(hosts, seed=5)
     net.loop.run_until(3.0)
     ids = list(net.hosts)
-    minority, majority = ids[:5], ids[5:]
+    minority, majority = ids[:cut], ids[cut:]
     net.partition(minority)
     t = net.loop.run_until_true(
         lambda: all(all(net.hosts[m].swim.state_of(x) == swim.DEAD for x in minority)

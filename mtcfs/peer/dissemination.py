@@ -181,6 +181,16 @@ class Broadcaster:
             self._buffer.extend(entries)
             self._wake.set()
 
+    def announce(self, marker: pb.CaughtUp) -> None:
+        """A catch-up marker (mtcfs.peer.catchup) in a batch of its own, after
+        everything published before it."""
+        self._flush()
+        batch = pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(), caught_up=marker)
+        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic())
+        self.stats.batches_sent += 1
+        self._emit(out)
+        self._notify()
+
     def _flush(self) -> None:
         while self._buffer:
             part, self._buffer = self._buffer[:MAX_BATCH], self._buffer[MAX_BATCH:]

@@ -162,6 +162,7 @@ def check_entry(e: pb.Entry) -> None:
 
 
 MAX_ADDRESS = 300  # host:port, or a range's end (an address and a NUL)
+MAX_HOSTS = 100_000  # addresses in a catch-up marker or a coverage list
 
 
 def check_tree(m: pb.TreeMessage) -> None:
@@ -187,3 +188,10 @@ def check_batch(batch: pb.ChangeBatch) -> None:
         raise BadRequest(f"too many entries ({len(batch.entries)})")
     for e in batch.entries:
         check_entry(e)
+    hosts = [*batch.caught_up.hosts, *batch.coverage.uncovered]
+    if len(hosts) > MAX_HOSTS:
+        raise BadRequest(f"too many hosts listed ({len(hosts)})")
+    if any(not h or len(h) > MAX_ADDRESS for h in hosts):
+        raise BadRequest("bad host address in a catch-up marker or a coverage list")
+    if not 0 <= batch.caught_up.since_unix < 1e11:  # (NaN fails both)
+        raise BadRequest("a catch-up marker's start out of range")

@@ -142,6 +142,9 @@ class PeerService(pb_grpc.PeerServicer):
         while (piece := self._in_trio(next, pieces, None)) is not None:
             yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
                                  entries=piece)
+        # Last: whose changes this snapshot may lack (the requester covers the others).
+        yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
+                             coverage=pb.Coverage(uncovered=self._in_trio(self.tier.uncovered)))
 
     def ListHeld(self, request: pb.ListHeldRequest,
                  context: grpc.ServicerContext) -> pb.ListHeldReply:

@@ -153,6 +153,7 @@ class Counters:
     refutations: int = 0
     deaths: int = 0
     late_ticks: int = 0
+    death_news_dropped: int = 0  # a host we held dead spoke: our deaths news dropped
 
 
 Out = list[tuple[str, Message]]
@@ -354,6 +355,13 @@ class Swim:
         # A sender we hold dead was cut off (or is a previous life): its view of others
         # is stale, and its suspicions and deaths would make live hosts flap.
         trusted = self.state_of(src) != DEAD
+        held = self.members.get(src)
+        if not trusted and held is not None and 0 <= msg.incarnation <= held.incarnation:
+            # ... and the life we declared dead speaks: a partition healed (not a restart,
+            # which comes at a new incarnation). The deaths we saw meanwhile may be of
+            # its side, alive: not news for others (real ones are found again by probes),
+            # or once trusted we would spread them and make live hosts flap.
+            self._forget_deaths()
         # The sender is alive at its incarnation (this is how a joining host is learnt).
         self._learn(Update(src, ALIVE, msg.incarnation), now)
         if msg.kind == SYNC_REPLY and (self._resync or self._joining):
@@ -364,8 +372,12 @@ class Swim:
             if trusted or u.state == ALIVE or u.node == self.me:
                 self._learn(u, now)
         out = self._answer(src, msg, now)
-        if self._resync and now >= self._resync_asked + self.config.period:
-            # Back from the dead: take the member list of the first host that speaks.
+        if (self._resync and now >= self._resync_asked + self.config.period
+                and (trusted or len(self._live) + 1 < len(self._dead))):
+            # Back from the dead: take the member list of the first host that speaks;
+            # one of our side, unless ours is the smaller (each side of a healed
+            # partition was declared dead by the other: a host of the larger one
+            # taking the smaller one's view would mark its own side dead).
             self._resync_asked = now
             out.append(self._send(src, Message(SYNC)))
         return out
@@ -418,6 +430,11 @@ class Swim:
                                   updates=tuple(everyone)))]
         return []  # GOSSIP, SYNC_REPLY: the updates were all
 
+    def _forget_deaths(self) -> None:
+        for node in [n for n, (v, _) in self._news.items() if v.state != ALIVE]:
+            del self._news[node]
+        self.counters.death_news_dropped += 1
+
     def _learn(self, u: Update, now: float) -> None:
         if u.node == self.me:
             if u.state != ALIVE and u.incarnation >= self.incarnation or \
@@ -431,8 +448,7 @@ class Swim:
                 if u.state == DEAD and not self._resync:
                     # Cut off: the deaths it saw meanwhile are not news for others,
                     # and its view is resynced from the first live host it hears.
-                    for node in [n for n, (v, _) in self._news.items() if v.state != ALIVE]:
-                        del self._news[node]
+                    self._forget_deaths()
                     self._resync = True
                     self._resync_asked = -1e9
                     self.listener.declared_dead()

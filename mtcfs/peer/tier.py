@@ -41,13 +41,14 @@ from mtcfs.fs.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.fs.writeclock import WriteClock
 from mtcfs.lifecycle.copies import Copies
 from mtcfs.lifecycle.retired import RetiredSteps
-from mtcfs.peer import fanout, mover, placement, restore, swim, wire
+from mtcfs.peer import fanout, mover, placement, restore, wire
 from mtcfs.peer.addresses import parse_address
 from mtcfs.peer.bulk import BulkPool, BulkServer
+from mtcfs.peer.catchup import CatchUps, Pulled
 from mtcfs.peer.dissemination import Broadcaster, Reply
 from mtcfs.peer.index import Hooks, ReplicatedIndex, gc_paused
 from mtcfs.peer.membership import Membership, Peer
-from mtcfs.peer.security import BadRequest, check_entry
+from mtcfs.peer.security import BadRequest, check_batch, check_entry
 from mtcfs.peer.server import Refused, start_server
 from mtcfs.peer.striped import Progress, Striped
 from mtcfs.peer.v1 import peer_pb2 as pb
@@ -62,10 +63,6 @@ DRAIN_WAIT = 2.0  # a push waits this long at most for its file's entry to be ev
 SNAPSHOT_TIMEOUT = 60.0
 STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
 MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between slices)
-# A host back from the dead: what changed there since this long before its last
-# message to us (what it sent us just before the cut may not have arrived; the trees
-# resend a batch to a child for up to about this long).
-DELTA_MARGIN = 30.0
 REPLICATION_WORKERS = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
@@ -190,11 +187,10 @@ class PeerTier(Listener):
         self._wake_repl = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._started = False
-        self._catching_up: set[str] = set()  # peers back whose snapshot is being pulled
-        # Peers found dead since we started, to catch up with once they are back and
-        # caught up themselves: listen address -> (time.monotonic() of the last
-        # message we had from it before (0: none), its incarnation then).
-        self._owed: dict[str, tuple[float, int]] = {}
+        # Peers found dead since we started, caught up with once they are back.
+        self.catchups = CatchUps(self.members.me, self.members, self._pull,
+                                 self._settle_republished, self._announce_caught_up,
+                                 self.events.peers_changed)
         self._limiter = trio.CapacityLimiter(32)
         self._mover: ProcessPoolExecutor | None = None
         # The trainer's write clock, shared with the push workers (spawned processes).
@@ -226,6 +222,7 @@ class PeerTier(Listener):
         await self._join()
         me.ready = True
         self._started = True
+        self.catchups.start(nursery)
         self._requeue_unreplicated()
         nursery.start_soon(self._share_write_clock)
         for _ in range(REPLICATION_WORKERS):
@@ -288,7 +285,7 @@ class PeerTier(Listener):
 
     def peer_alive(self, peer: Peer) -> None:
         if peer.ready:
-            self._catch_up_with(peer)
+            self.catchups.back(peer, self.members.incarnation_of(peer.addr))
         # (Not ready: starting, it takes our changes and has none of its own; or back
         # by gossip before it spoke to us: caught up with once it says it is ready.)
         self._requeue_unreplicated()
@@ -297,34 +294,12 @@ class PeerTier(Listener):
         self.broadcaster.restarted(peer.addr)
 
     def peer_ready(self, peer: Peer) -> None:
-        if peer.addr in self._owed:  # back by gossip before it spoke to us
-            self._catch_up_with(peer)
-
-    def _catch_up_with(self, peer: Peer) -> None:
-        """Back after a partition: merge what it has that we missed. Only what changed
-        there since a little before we last heard from it: after a flap every host
-        pulls from it, and whole snapshots would be N of them. Nothing from a host
-        that restarted meanwhile: it joined from a snapshot like a new host (which
-        the others pull nothing from)."""
-        owed = self._owed.pop(peer.addr, None)
-        if not self._started or self._nursery is None:
-            return
-        since = 0.0
-        if owed is not None:
-            last_heard, incarnation = owed
-            if self.members.incarnation_of(peer.addr) - incarnation >= swim.RESTART_JUMP:
-                log.info("peer %s (%s) restarted while it was away: nothing to pull",
-                         peer.addr, peer.node_id)
-                return
-            if last_heard:
-                since = time.monotonic() - last_heard + DELTA_MARGIN
-        self._catching_up.add(peer.addr)
-        self._nursery.start_soon(self.catch_up, peer, since)
+        if peer.addr in self.catchups.owed:  # back by gossip before it spoke to us
+            self.catchups.back(peer, self.members.incarnation_of(peer.addr))
 
     def peer_dead(self, peer: Peer) -> None:
         if self._started:
-            self._owed.setdefault(peer.addr, (peer.heard_at,
-                                              self.members.incarnation_of(peer.addr)))
+            self.catchups.dead(peer, self.members.incarnation_of(peer.addr))
         self._requeue_unreplicated()
 
     def peers_changed(self) -> None:
@@ -333,26 +308,24 @@ class PeerTier(Listener):
     def hosts_accounted(self) -> bool:
         """Every host of the job is alive and caught up with, or gone for good: what a
         host cut off for a moment wrote meanwhile is known here (commit markers wait)."""
-        return not self._catching_up and self.members.all_accounted()
+        return self.catchups.accounted() and self.members.all_accounted()
 
-    async def catch_up(self, p: Peer, since: float = 0.0) -> bool:
-        try:
-            return await self._catch_up(p, since)
-        finally:
-            if p.addr in self._catching_up:
-                self._catching_up.discard(p.addr)
-                self.events.peers_changed()  # a commit marker held for it may go
+    async def catch_up(self, p: Peer) -> bool:
+        """Pull `p`'s whole snapshot (a host starting)."""
+        return (await self._pull(p, 0.0)).ok
 
-    async def _catch_up(self, p: Peer, since: float = 0.0) -> bool:
+    async def _pull(self, p: Peer, since: float = 0.0, republish: bool = False) -> Pulled:
         """Pull `p`'s snapshot (since > 0: what changed there in the last `since`
         seconds, if it can tell; else all of it), applying its pieces as they arrive
-        (the source makes the next while this host applies one). False: the pull
-        failed (what arrived is applied: every entry is a state merged by its stamp,
-        any subset is sound)."""
+        (the source makes the next while this host applies one), and publishing them
+        down the tree too if `republish` (this host catches up for its side:
+        mtcfs.peer.catchup). Not ok: the pull failed (what arrived is applied: every
+        entry is a state merged by its stamp, any subset is sound)."""
         send, recv = trio.open_memory_channel[list[pb.Entry]](4)
         token = trio.lowlevel.current_trio_token()
         bad = [0]
         failed: list[str] = []
+        uncovered: list[frozenset[str]] = []
 
         def pull() -> None:
             try:
@@ -361,6 +334,13 @@ class PeerTier(Listener):
                                        timeout=SNAPSHOT_TIMEOUT,
                                        metadata=self.members.metadata, wait_for_ready=True)
                 for batch in call:
+                    if batch.HasField("coverage"):  # the stream's last message
+                        try:
+                            check_batch(batch)
+                            uncovered.append(frozenset(batch.coverage.uncovered))
+                        except BadRequest:
+                            bad[0] += 1
+                        continue
                     good = []
                     for e in batch.entries:
                         try:
@@ -390,16 +370,25 @@ class PeerTier(Listener):
                     for i in range(0, len(piece), MAX_BATCH):
                         applied += self._apply(piece[i:i + MAX_BATCH])
                         await trio.sleep(0)
+                    if republish:
+                        self.broadcaster.publish(piece)
         if bad[0]:
             self._error(f"snapshot from {p.addr}: {bad[0]} malformed entries ignored")
         if failed:
             self._error(f"snapshot from {p.addr}: {failed[0]} ({entries} entries applied)")
-            return False
+            return Pulled(False)
         self.stats.snapshots_pulled += 1
         self.stats.delta_snapshots_pulled += since > 0
-        log.info("caught up with %s (%s)%s: %d entries, %d applied", p.addr, p.node_id,
-                 f" (changes of the last {since:.0f} s)" if since else "", entries, applied)
-        return True
+        log.info("caught up with %s (%s)%s: %d entries, %d applied%s", p.addr, p.node_id,
+                 f" (changes of the last {since:.0f} s)" if since else "", entries, applied,
+                 ", republished" if republish else "")
+        return Pulled(True, uncovered[0] if uncovered else None)
+
+    async def _settle_republished(self, what: str) -> bool:
+        return not await self.broadcaster.wait_applied(what)
+
+    def _announce_caught_up(self, hosts: list[str], since_unix: float) -> None:
+        self.broadcaster.announce(pb.CaughtUp(hosts=hosts, since_unix=since_unix))
 
     # -- this host's changes (Listener) ----------------------------------------------
 
@@ -492,6 +481,9 @@ class PeerTier(Listener):
     def _deliver(self, batch: pb.ChangeBatch) -> None:
         self.stats.batches_received += 1
         self._apply(list(batch.entries))
+        if batch.HasField("caught_up"):
+            self.catchups.marker(batch.from_node, batch.caught_up.hosts,
+                                 batch.caught_up.since_unix)
 
     def on_batch(self, batch: pb.ChangeBatch) -> int:
         """A batch sent to this host alone (the Broadcast RPC: tools, older daemons);
@@ -536,6 +528,10 @@ class PeerTier(Listener):
         self.stats.delta_snapshots_served += pieces is not None
         return self._counted(pieces if pieces is not None
                              else self.index.snapshot_pieces(piece))
+
+    def uncovered(self) -> list[str]:
+        """The hosts whose changes a snapshot served now may lack (its coverage)."""
+        return self.catchups.uncovered()
 
     def _counted(self, pieces: Iterator[list[pb.Entry]]) -> Iterator[list[pb.Entry]]:
         for piece in pieces:
@@ -1110,6 +1106,7 @@ class PeerTier(Listener):
             "entries_sent": self.broadcaster.stats.entries_sent,
             "tree": self.broadcaster.tree_status(),
             "index": self.index.status(),
+            "catch_ups": self.catchups.status(),
             "data_port": self.data_port or None,
             "data_channel": self.bulk_server.status() if self.bulk_server is not None else None,
             **{k: v for k, v in vars(self.stats).items() if k != "last_error"},

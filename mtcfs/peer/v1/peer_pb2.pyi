@@ -99,14 +99,32 @@ class Link(_message.Message):
     def __init__(self, parent: _Optional[str] = ..., name: _Optional[bytes] = ...) -> None: ...
 
 class ChangeBatch(_message.Message):
-    __slots__ = ("from_node", "lamport", "entries")
+    __slots__ = ("from_node", "lamport", "entries", "caught_up", "coverage")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     LAMPORT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     lamport: int
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
-    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ...) -> None: ...
+    caught_up: CaughtUp
+    coverage: Coverage
+    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., caught_up: _Optional[_Union[CaughtUp, _Mapping]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ...) -> None: ...
+
+class CaughtUp(_message.Message):
+    __slots__ = ("hosts", "since_unix")
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    since_unix: float
+    def __init__(self, hosts: _Optional[_Iterable[str]] = ..., since_unix: _Optional[float] = ...) -> None: ...
+
+class Coverage(_message.Message):
+    __slots__ = ("uncovered",)
+    UNCOVERED_FIELD_NUMBER: _ClassVar[int]
+    uncovered: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, uncovered: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchReply(_message.Message):
     __slots__ = ("applied", "lamport")

@@ -1,0 +1,310 @@
+"""Catching up with hosts that are back after a partition or a flap, once per side.
+
+A host that saw another dead assumes it missed that host's changes meanwhile
+(nothing is queued for a dead host), and merges what changed there once it is
+back (a delta snapshot: PeerTier.pull). Done by every host on its own, a
+flap of one host among N costs that host N-1 pulls to serve, and a healed
+partition costs every host one pull per host of the other side. Here:
+
+- **Hosts back are gathered**: a partition heals over a few gossip periods,
+  so the pulls start once no host came back for GATHER_QUIET (at most
+  GATHER_MAX after the first).
+- **One snapshot covers a side**: a source lists the hosts whose changes it
+  may lack (seen dead, not caught up with, never heard from: Coverage); every
+  other host's changes reached it by the commit rule. Pulls go on to an
+  uncovered host only, so one pull per side back usually covers all of it.
+- **One host per side pulls**: the host that follows the lowest address back
+  on the ring of this side's live hosts (the same host for every host of the
+  side that sees the same hosts back). It republishes what it pulled down
+  the dissemination tree, waits until every live host applied it (the
+  commit rule), and then publishes a marker (CaughtUp: these hosts, from
+  this time on). The others wait for that marker up to HANDOFF_WAIT and
+  otherwise pull themselves (the designated host died, or saw things
+  differently).
+
+Until a host back is caught up with, it is not accounted for (commit markers
+wait: PeerTier.hosts_accounted). Runs in the daemon's trio thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+
+import trio
+
+from mtcfs.peer import swim
+from mtcfs.peer.membership import Membership, Peer
+
+log = logging.getLogger(__name__)
+
+# A delta reaches back this far before our last message from the host back (clocks
+# and the moment each host noticed the death differ).
+DELTA_MARGIN = 30.0
+# The designated puller reaches back further, for the other hosts of its side
+# (they noticed the death up to this much earlier).
+HANDOFF_SLACK = 30.0
+GATHER_QUIET = 0.5  # seconds without another host back before the pulls start
+GATHER_MAX = 2.0  # ... at most after the first
+# How long a host waits for its side's designated puller's marker before it pulls
+# itself: the puller's gather, its pull and the republication's commit fit in it.
+HANDOFF_WAIT = 20.0
+MAX_TRIES = 3  # failed pulls from a host back before it is given up on (logged)
+MARKER_TTL = 30.0  # a marker that came before we saw its hosts back still counts this long
+
+
+@dataclass
+class Pulled:
+    """A pull's outcome: `ok` False if it failed (what arrived is applied);
+    `uncovered` the hosts whose changes the source may lack (None: it did not say,
+    it covers only itself)."""
+
+    ok: bool
+    uncovered: frozenset[str] | None = None
+
+
+@dataclass
+class Stats:
+    pulls: int = 0  # catch-up pulls made here
+    pulls_failed: int = 0
+    covered_by_pulls: int = 0  # hosts back covered by a pull from another host back
+    covered_by_markers: int = 0  # hosts back another host of our side pulled for us
+    covered_by_earlier: int = 0  # hosts back merged here before we saw them back
+    markers_sent: int = 0
+    markers_received: int = 0
+    handoff_timeouts: int = 0  # waited HANDOFF_WAIT for a marker, then pulled
+
+
+class CatchUps:
+    def __init__(self, me: str, members: Membership,
+                 pull: Callable[[Peer, float, bool], Awaitable[Pulled]],
+                 settle: Callable[[str], Awaitable[bool]],
+                 announce: Callable[[list[str], float], None],
+                 accounted: Callable[[], None],
+                 wall: Callable[[], float] = time.time) -> None:
+        """`pull(peer, since, republish)`: merge what changed at `peer` in the last
+        `since` seconds (0: all of it), republishing it down the tree if asked;
+        `settle(what)`: True once every live host applied what this host published
+        (the commit rule); `announce(hosts, since_unix)`: publish a CaughtUp marker;
+        `accounted()`: called when hosts back were caught up with (commit markers
+        held for them may go)."""
+        self.me = me
+        self.members = members
+        self._pull = pull
+        self._settle = settle
+        self._announce = announce
+        self._accounted = accounted
+        self._wall = wall
+        self.stats = Stats()
+        # Hosts found dead, to catch up with once back: address -> (time.monotonic()
+        # of its last message to us (0: none), its SWIM incarnation then).
+        self.owed: dict[str, tuple[float, int]] = {}
+        # Hosts back whose changes we still need: address -> wall-clock time from
+        # which (0: everything).
+        self.pending: dict[str, float] = {}
+        self._tries: dict[str, int] = {}  # failed pulls from a host back, in a row
+        # Hosts whose changes from since_unix on were merged here lately (a marker, or
+        # a pull that covered them while we still saw them dead): host -> (since_unix,
+        # time.monotonic() then). Counts for MARKER_TTL when they are back.
+        self._covered: dict[str, tuple[float, float]] = {}
+        self._changed = trio.Event()
+        self._running = False
+        self._nursery: trio.Nursery | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # -- what membership and the tree tell us ---------------------------------------------
+
+    def dead(self, p: Peer, incarnation: int) -> None:
+        """`p` was declared dead: what it changes until it is back is missed here."""
+        if p.addr in self.pending:  # back and gone again before we caught up
+            self.pending.pop(p.addr)
+            self._poke()
+        self._covered.pop(p.addr, None)  # about its previous absence
+        self.owed.setdefault(p.addr, (p.heard_at, incarnation))
+
+    def back(self, p: Peer, incarnation: int) -> None:
+        """`p` is alive and caught up again (trio thread)."""
+        owed = self.owed.pop(p.addr, None)
+        if owed is None or self._nursery is None:
+            return
+        last_heard, then = owed
+        if incarnation - then >= swim.RESTART_JUMP:
+            log.info("peer %s (%s) restarted while it was away: nothing to pull",
+                     p.addr, p.node_id)
+            return
+        need = 0.0
+        if last_heard:
+            need = self._wall() - (time.monotonic() - last_heard) - DELTA_MARGIN
+        covered = self._covered.get(p.addr)
+        if (covered is not None and time.monotonic() - covered[1] <= MARKER_TTL
+                and covered[0] <= need):
+            self.stats.covered_by_earlier += 1
+            log.info("peer %s (%s) back: its changes were merged here already (a pull "
+                     "from another host, or one host of this side for all)", p.addr,
+                     p.node_id)
+            return
+        self.pending[p.addr] = need
+        self._poke()
+        if not self._running:
+            self._running = True
+            self._nursery.start_soon(self._rounds)
+
+    def marker(self, src: str, hosts: Collection[str], since_unix: float) -> None:
+        """`src` pulled `hosts`' changes from `since_unix` on and every live host
+        applied them."""
+        self.stats.markers_received += 1
+        self._merged(hosts, since_unix)
+        for h in hosts:
+            need = self.pending.get(h)
+            if need is not None and since_unix <= need:
+                del self.pending[h]
+                self.stats.covered_by_markers += 1
+        log.info("%s caught up with %d hosts back for its side", src, len(hosts))
+        self._poke()
+        self._accounted()
+
+    def _merged(self, hosts: Collection[str], since_unix: float) -> None:
+        now = time.monotonic()
+        for h in hosts:
+            self._covered[h] = (since_unix, now)
+        for h in [h for h, (_, t) in self._covered.items() if now - t > MARKER_TTL]:
+            del self._covered[h]
+
+    def uncovered(self) -> list[str]:
+        """The hosts whose changes we may lack: a snapshot from here covers the rest."""
+        return sorted(a for a, p in self.members.peers.items()
+                      if not p.removed and (p.dead or not p.alive or a in self.owed
+                                            or a in self.pending))
+
+    def accounted(self) -> bool:
+        return not self.pending
+
+    def status(self) -> dict[str, object]:
+        return {**vars(self.stats), "owed": len(self.owed), "pending": len(self.pending)}
+
+    # -- the rounds ------------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_change(self, timeout: float) -> bool:
+        with trio.move_on_after(timeout):
+            await self._changed.wait()
+            return True
+        return False
+
+    async def _rounds(self) -> None:
+        try:
+            while self.pending:
+                first = trio.current_time()
+                while (await self._wait_change(GATHER_QUIET)
+                       and trio.current_time() - first < GATHER_MAX):
+                    pass
+                group = dict(self.pending)
+                if not group:
+                    continue
+                if self._designated(group):
+                    await self._pull_group(group, republish=True)
+                    continue
+                deadline = trio.current_time() + HANDOFF_WAIT
+                while (any(h in self.pending for h in group)
+                       and trio.current_time() < deadline):
+                    await self._wait_change(deadline - trio.current_time())
+                left = {h: need for h, need in group.items() if h in self.pending}
+                if left:
+                    self.stats.handoff_timeouts += 1
+                    log.warning("no host of this side republished the changes of %d hosts "
+                                "back within %.0f s: pulling them here", len(left),
+                                HANDOFF_WAIT)
+                    await self._pull_group(left, republish=False)
+        finally:
+            self._running = False
+
+    def side(self) -> list[str]:
+        """This side's hosts, as this host sees them: alive, caught up, not back from
+        away (sorted: the ring)."""
+        return sorted({self.me, *(p.addr for p in self.members.live()
+                                  if p.ready and p.addr not in self.pending
+                                  and p.addr not in self.owed)})
+
+    def _designated(self, group: Collection[str]) -> bool:
+        """This host follows the lowest address back on the ring of its side."""
+        ring = self.side()
+        return ring[bisect.bisect_right(ring, min(group)) % len(ring)] == self.me
+
+    def _covered_meanwhile(self, group: Collection[str], uncovered: Collection[str],
+                           since_unix: float) -> list[str]:
+        """A pull's source covers hosts back since the group was made, and hosts we
+        still see dead: their changes are here now."""
+        early = [h for h in self.owed if h not in uncovered]
+        self._merged(early, since_unix)
+        for h, need in list(self.pending.items()):
+            if h not in group and h not in uncovered and since_unix <= need:
+                del self.pending[h]
+                self.stats.covered_by_pulls += 1
+                early.append(h)
+        return early
+
+    async def _pull_group(self, group: dict[str, float], republish: bool) -> None:
+        """Pull from hosts of `group` until all of it is covered, or pulls failed."""
+        start = min(group.values())
+        alone = len(self.side()) == 1  # (nobody on this side to republish to)
+        republish = republish and not alone
+        now = self._wall()
+        since = 0.0
+        if start > 0:
+            since = now - start + (HANDOFF_SLACK if republish else 0.0)
+        left = set(group)  # not covered yet
+        tried: set[str] = set()
+        covered: list[str] = []
+        ahead: list[str] = []  # covered too, though not back yet in our view
+        while True:
+            candidates = [h for h in left - tried
+                          if (p := self.members.peers.get(h)) is not None
+                          and p.alive and not p.dead]
+            if not candidates:
+                break
+            src = random.choice(candidates)
+            tried.add(src)
+            pulled = await self._pull(self.members.peers[src], since, republish)
+            self.stats.pulls += 1
+            if not pulled.ok:
+                self.stats.pulls_failed += 1
+                continue
+            done = {src} if pulled.uncovered is None else {
+                h for h in left if h == src or h not in pulled.uncovered}
+            self.stats.covered_by_pulls += len(done) - 1
+            covered += sorted(done)
+            left -= done
+            if pulled.uncovered is not None:
+                ahead += self._covered_meanwhile(group, pulled.uncovered,
+                                                 now - since if since else 0.0)
+        for h in group:
+            if self.pending.get(h) == group[h]:  # (not gone and back again meanwhile)
+                del self.pending[h]
+        for h in left:  # pulls failed: alive still, tried again in the next round
+            p = self.members.peers.get(h)
+            if p is None or not p.alive or p.dead:
+                continue  # gone again (owed again: see dead)
+            tries = self._tries[h] = self._tries.get(h, 0) + 1
+            if tries < MAX_TRIES:
+                self.pending[h] = group[h]
+            else:
+                log.error("gave up catching up with %s after %d failed pulls", h, tries)
+                self._tries.pop(h, None)
+        for h in covered:
+            self._tries.pop(h, None)
+        self._poke()
+        self._accounted()
+        if not (republish and covered):
+            return
+        if await self._settle(f"republishing the changes of {len(covered)} hosts back"):
+            self._announce(sorted({*covered, *ahead}), now - since if since else 0.0)
+            self.stats.markers_sent += 1

@@ -1,0 +1,226 @@
+"""Catching up with hosts back after a partition (mtcfs.peer.catchup), in virtual
+time: which host of a side pulls, how one pull covers a whole side, how the others
+are told, and what they do when nobody tells them.
+
+The membership here is a stand-in: a dict of peers in the states under test (SWIM
+itself runs in test_scale_membership, and the whole exchange between real daemons
+in test_peers_netns's partition test); pulls, the commit wait and the marker are
+recorded instead of sent."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from mtcfs.peer import catchup, swim
+from mtcfs.peer.catchup import CatchUps, Pulled
+from mtcfs.peer.membership import Peer
+
+pytestmark = [pytest.mark.nofuse]
+
+
+class View:
+    """The part of Membership that CatchUps reads: peers by address, the live ones."""
+
+    def __init__(self, *addrs: str) -> None:
+        self.peers = {a: Peer(a, None, node_id=a, alive=True, ready=True,  # type: ignore[arg-type]
+                              heard_at=time.monotonic()) for a in addrs}
+
+    def live(self) -> list[Peer]:
+        return [p for p in self.peers.values() if p.alive and not p.dead]
+
+
+class Side:
+    """One host's CatchUps, with its pulls, commit waits and markers recorded."""
+
+    def __init__(self, me: str, view: View,
+                 uncovered: dict[str, frozenset[str] | None] | None = None,
+                 failing: set[str] | None = None) -> None:
+        self.view = view
+        self.pulls: list[tuple[str, float, bool]] = []
+        self.markers: list[tuple[list[str], float]] = []
+        self.settled: list[str] = []
+        self.accounted = 0
+        self.uncovered = uncovered or {}
+        self.failing = failing or set()
+        self.c = CatchUps(me, view, self.pull, self.settle, self.announce,  # type: ignore[arg-type]
+                          self.count)
+
+    async def pull(self, p: Peer, since: float, republish: bool) -> Pulled:
+        self.pulls.append((p.addr, since, republish))
+        await trio.sleep(0.5)
+        if p.addr in self.failing:
+            return Pulled(False)
+        return Pulled(True, self.uncovered.get(p.addr))
+
+    async def settle(self, what: str) -> bool:
+        self.settled.append(what)
+        await trio.sleep(0.2)
+        return True
+
+    def announce(self, hosts: list[str], since_unix: float) -> None:
+        self.markers.append((hosts, since_unix))
+
+    def count(self) -> None:
+        self.accounted += 1
+
+    def cut(self, *addrs: str) -> None:
+        for a in addrs:
+            p = self.view.peers[a]
+            p.alive, p.dead = False, True
+            self.c.dead(p, 5)
+
+    def heal(self, *addrs: str, incarnation: int = 6) -> None:
+        for a in addrs:
+            p = self.view.peers[a]
+            p.alive, p.dead = True, False
+            self.c.back(p, incarnation)
+
+
+def partition(me: str, **kw: object) -> Side:
+    """Hosts a0..a2 on one side (`me` among them), b0..b1 on the other."""
+    side = Side(me, View(*[a for a in ("a0", "a1", "a2", "b0", "b1") if a != me]), **kw)
+    side.cut("b0", "b1")
+    return side
+
+
+async def run(side: Side, until: float, then=None) -> None:
+    async with trio.open_nursery() as n:
+        side.c.start(n)
+        await then() if then is not None else None
+        await trio.sleep(until)
+        n.cancel_scope.cancel()
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def test_the_host_after_the_lowest_back_pulls_one_snapshot_for_its_side(clock) -> None:
+    # a0 follows b0 on the ring a0 < a1 < a2 (wrapping): it pulls. b0's snapshot
+    # covers b1 (b0 lacks only our side's changes), so one pull covers both.
+    side = partition("a0", uncovered={"b0": frozenset({"a0", "a1", "a2"}),
+                                      "b1": frozenset({"a0", "a1", "a2"})})
+
+    async def heal() -> None:
+        side.heal("b0", "b1")
+        assert not side.c.accounted()
+
+    trio.run(run, side, 10.0, heal, clock=clock)
+    assert len(side.pulls) == 1 and side.pulls[0][0] in ("b0", "b1"), side.pulls
+    since, republish = side.pulls[0][1:]
+    assert republish
+    # Back to 30 s before the cut, and HANDOFF_SLACK further for the others of its side.
+    assert catchup.DELTA_MARGIN + catchup.HANDOFF_SLACK <= since < \
+        catchup.DELTA_MARGIN + catchup.HANDOFF_SLACK + 5
+    assert len(side.settled) == 1
+    [(hosts, since_unix)] = side.markers
+    assert hosts == ["b0", "b1"] and abs(time.time() - since - since_unix) < 5
+    assert side.c.accounted() and side.c.stats.covered_by_pulls == 1
+
+
+def test_the_others_of_the_side_take_the_marker_and_pull_nothing(clock) -> None:
+    side = partition("a1")
+
+    async def heal() -> None:
+        side.heal("b0", "b1")
+        await trio.sleep(5.0)
+        assert not side.c.accounted()  # (commit markers wait)
+        side.c.marker("a0", ["b0", "b1"], time.time() - 3600)
+
+    trio.run(run, side, 1.0, heal, clock=clock)
+    assert side.pulls == [] and side.markers == []
+    assert side.c.accounted() and side.c.stats.covered_by_markers == 2
+    assert side.accounted >= 1
+
+
+def test_a_marker_that_reaches_back_too_little_does_not_count(clock) -> None:
+    side = partition("a1")
+
+    async def heal() -> None:
+        side.heal("b0", "b1")
+        side.c.marker("a0", ["b0", "b1"], time.time())  # from now on: not from the cut
+
+    trio.run(run, side, catchup.HANDOFF_WAIT + 10, heal, clock=clock)
+    assert side.c.stats.covered_by_markers == 0 and side.c.stats.handoff_timeouts == 1
+    assert [h for h, _, _ in side.pulls] in (["b0", "b1"], ["b1", "b0"])  # no coverage said
+
+
+def test_without_a_marker_a_host_pulls_itself_after_the_wait(clock) -> None:
+    side = partition("a2", uncovered={"b0": frozenset({"a0", "a1", "a2"}),
+                                      "b1": frozenset({"a0", "a1", "a2"})})
+    waited: list[float] = []
+
+    async def heal() -> None:
+        t0 = trio.current_time()
+        side.heal("b0", "b1")
+        while not side.pulls:
+            await trio.sleep(0.1)
+        waited.append(trio.current_time() - t0)
+
+    trio.run(run, side, catchup.HANDOFF_WAIT + 10, heal, clock=clock)
+    # The gather, then HANDOFF_WAIT for the designated host (a0), then one pull (the
+    # snapshot covers the other host back), not republished.
+    assert catchup.HANDOFF_WAIT <= waited[0] <= catchup.HANDOFF_WAIT + catchup.GATHER_MAX + 1
+    assert len(side.pulls) == 1 and side.pulls[0][2] is False
+    assert side.c.stats.handoff_timeouts == 1 and side.markers == []
+    assert side.c.accounted()
+
+
+def test_a_host_alone_on_its_side_pulls_one_snapshot_and_republishes_nothing(clock) -> None:
+    # b0 was cut off from everyone: it is the designated host of its side of one.
+    side = Side("b0", View("a0", "a1", "a2", "b1"),
+                uncovered={a: frozenset({"b0"}) for a in ("a0", "a1", "a2", "b1")})
+    side.cut("a0", "a1", "a2", "b1")
+
+    async def heal() -> None:
+        side.heal("a0", "a1")
+        await trio.sleep(1.0)  # the others are seen back later than the pull started
+        side.heal("a2", "b1")
+
+    trio.run(run, side, 10.0, heal, clock=clock)
+    assert len(side.pulls) == 1 and side.pulls[0][2] is False, side.pulls
+    assert side.settled == [] and side.markers == []
+    assert side.c.accounted()
+    st = side.c.stats
+    assert st.covered_by_pulls + st.covered_by_earlier == 3, st
+
+
+def test_a_failed_pull_is_tried_again_then_given_up(clock) -> None:
+    side = Side("b0", View("a0"), failing={"a0"})
+    side.cut("a0")
+
+    async def heal() -> None:
+        side.heal("a0")
+
+    trio.run(run, side, 30.0, heal, clock=clock)
+    assert [h for h, _, _ in side.pulls] == ["a0"] * catchup.MAX_TRIES
+    assert side.c.stats.pulls_failed == catchup.MAX_TRIES and side.c.accounted()
+
+
+def test_a_host_that_restarted_meanwhile_is_not_pulled_from(clock) -> None:
+    side = Side("b0", View("a0"))
+    side.cut("a0")
+
+    async def heal() -> None:
+        side.heal("a0", incarnation=5 + swim.RESTART_JUMP)
+
+    trio.run(run, side, 10.0, heal, clock=clock)
+    assert side.pulls == [] and side.c.accounted() and not side.c.owed
+
+
+def test_what_a_snapshot_source_may_lack(clock) -> None:
+    side = partition("a0")
+
+    async def heal() -> None:
+        assert side.c.uncovered() == ["b0", "b1"]  # dead
+        side.heal("b0")
+        assert side.c.uncovered() == ["b0", "b1"]  # back, not caught up with yet
+        side.c.marker("a1", ["b0"], 0.0)
+        assert side.c.uncovered() == ["b1"]
+
+    trio.run(run, side, 0.1, heal, clock=clock)
