@@ -513,3 +513,43 @@ def test_partition_heals_both_ways(make_net) -> None:
     # h2's file gets its replica once the network is back.
     wait_until(lambda: (h2.state("job/from-h2") or {}).get("replicas", 0) >= 1, 20,
                what="a replica of h2's partition-time file")
+
+
+def test_a_host_back_is_caught_up_with_once_per_side(make_net) -> None:
+    """Five hosts, one cut off while it and another write: once the link is back the
+    cut-off host serves one pull (not four), and pulls one (not four); one host of the
+    four pulls and republishes down the tree, and the three others are told."""
+    net = make_net(5)
+    nodes = net.add_nodes(5, replicas=1)
+    cut, writer = nodes[4], nodes[0]
+    others = nodes[:4]
+    writer.write("job/before", b"b" * 1000)
+    wait_until(lambda: all(tree(n, "job") == {"before": 1000} for n in nodes), 15,
+               what="every host to see job/before")
+    cut.host.link_down()
+    wait_until(lambda: all(cut.node_id not in n.live_peers() for n in others), 15,
+               what="the four to see the cut-off host dead")
+    writer.write("job/on-the-four", b"f" * 2000)
+    wait_until(lambda: not cut.live_peers(), 15, what="the cut-off host to see the four dead")
+    theirs = cut.write("job/on-the-cut-off-host", blob(7, MiB))
+    expected = {"before": 1000, "on-the-four": 2000, "on-the-cut-off-host": len(theirs)}
+    served = cut.pstatus()["snapshots_served"]
+    cut.host.link_up()
+    for n in nodes:
+        wait_until(lambda n=n: tree(n, "job") == expected, 15,
+                   what=f"{n.node_id} to have the merged tree (has {tree(n, 'job')})")
+    wait_until(lambda: all(not n.pstatus()["catch_ups"]["pending"] for n in nodes), 30,
+               what="every catch-up to end")
+    cu = {n.node_id: n.pstatus()["catch_ups"] for n in nodes}
+    st = {n.node_id: n.pstatus() for n in nodes}
+    print(f"[netns] catch-ups: {cu}")
+    assert cu[cut.node_id]["pulls"] == 1, cu
+    assert st[cut.node_id]["snapshots_served"] - served == 1, st[cut.node_id]
+    assert st[cut.node_id]["delta_snapshots_served"] == 1, st[cut.node_id]
+    assert sum(c["pulls"] for c in cu.values()) == 2, cu
+    assert sum(c["markers_sent"] for c in cu.values()) == 1, cu
+    # (A marker that came before its receiver saw the host back counts when it does.)
+    assert sum(cu[n.node_id]["covered_by_markers"] + cu[n.node_id]["covered_by_earlier"]
+               for n in others) == 3, cu
+    assert not any(c["handoff_timeouts"] for c in cu.values()), cu
+    assert_good(writer.read("job/on-the-cut-off-host"), theirs, "the cut-off host's file")
