@@ -442,8 +442,9 @@ def tree(node: Node, rel: str) -> dict[str, int]:
         for d in dirnames:
             out[os.path.relpath(os.path.join(dirpath, d), base) + "/"] = 0
         for f in filenames:
-            out[os.path.relpath(os.path.join(dirpath, f), base)] = \
-                os.stat(os.path.join(dirpath, f)).st_size
+            with contextlib.suppress(FileNotFoundError):  # removed by a merge meanwhile
+                out[os.path.relpath(os.path.join(dirpath, f), base)] = \
+                    os.stat(os.path.join(dirpath, f)).st_size
     return out
 
 

@@ -424,6 +424,11 @@ class Swim:
             self._relays[seq] = _Relay(src, msg.seq, now + self.config.period)
             return [self._send(msg.target, Message(PING, seq=seq))]
         if kind == SYNC:
+            if self._resync:
+                # Back from the dead ourselves: our view is stale (the other side dead),
+                # and a host of the other side taking it would mark its own side dead.
+                # The asker asks the next host it hears from.
+                return []
             everyone = [Update(n, m.state, m.incarnation) for n, m in self.members.items()]
             everyone.append(Update(self.me, ALIVE, self.incarnation))
             return [(src, Message(SYNC_REPLY, incarnation=self.incarnation,
