@@ -95,11 +95,14 @@ def test_a_healed_partition_does_not_make_the_larger_side_flap() -> None:
     # b (of a's side) speaks: a syncs from it.
     out = a.on_message("b", swim.Message(swim.GOSSIP, incarnation=5), 3.1)
     assert [(dst, m.kind) for dst, m in out] == [("b", swim.SYNC)], out
-    # Resyncing, a has no view to give: a SYNC gets no reply until b's reply came.
-    assert a.on_message("c", swim.Message(swim.SYNC, incarnation=6), 3.2) == []
+    # Resyncing, a gives no view to the other side (c, held dead) until b's reply
+    # came; to its own side it does (b may be resyncing too).
+    [(dst, reply)] = a.on_message("b", swim.Message(swim.SYNC, incarnation=5), 3.15)
+    assert dst == "b" and reply.kind == swim.SYNC_REPLY
+    assert a.on_message("c", swim.Message(swim.SYNC, incarnation=5), 3.2) == []
     a.on_message("b", swim.Message(swim.SYNC_REPLY, incarnation=5, updates=(
         swim.Update("c", swim.DEAD, 5),)), 3.3)
-    [(dst, reply)] = a.on_message("c", swim.Message(swim.SYNC, incarnation=6), 3.4)
+    [(dst, reply)] = a.on_message("c", swim.Message(swim.SYNC, incarnation=5), 3.4)
     assert dst == "c" and reply.kind == swim.SYNC_REPLY
     # Alone on its side (everyone else dead), a host syncs from whoever speaks.
     z = swim.Swim("z", ["x", "y"], swim.Recorder(), random.Random(1))

@@ -18,9 +18,11 @@ partition costs every host one pull per host of the other side. Here:
   side that sees the same hosts back). It republishes what it pulled down
   the dissemination tree, waits until every live host applied it (the
   commit rule), and then publishes a marker (CaughtUp: these hosts, from
-  this time on). The others wait for that marker up to HANDOFF_WAIT and
-  otherwise pull themselves (the designated host died, or saw things
-  differently).
+  this time on). The next two hosts of the ring stand in for it, one after
+  the other, if no marker came within STAND_IN_WAIT each (it died, or the
+  hosts of the side saw different hosts back: one declared dead for a moment
+  during the heal). The others wait for a marker up to HANDOFF_WAIT and
+  otherwise pull themselves.
 
 Until a host back is caught up with, it is not accounted for (commit markers
 wait: PeerTier.hosts_accounted). Runs in the daemon's trio thread.
@@ -53,6 +55,10 @@ GATHER_MAX = 2.0  # ... at most after the first
 # How long a host waits for its side's designated puller's marker before it pulls
 # itself: the puller's gather, its pull and the republication's commit fit in it.
 HANDOFF_WAIT = 20.0
+# The STAND_INS - 1 hosts after the designated one on the ring take its place, the
+# k-th after k * STAND_IN_WAIT without a marker (then republishing as it would).
+STAND_INS = 3
+STAND_IN_WAIT = 5.0
 MAX_TRIES = 3  # failed pulls from a host back before it is given up on (logged)
 MARKER_TTL = 30.0  # a marker that came before we saw its hosts back still counts this long
 
@@ -77,6 +83,7 @@ class Stats:
     markers_sent: int = 0
     markers_received: int = 0
     handoff_timeouts: int = 0  # waited HANDOFF_WAIT for a marker, then pulled
+    stand_ins: int = 0  # stood in for the designated host (no marker in time)
 
 
 class CatchUps:
@@ -210,20 +217,33 @@ class CatchUps:
                 group = dict(self.pending)
                 if not group:
                     continue
-                if self._designated(group):
+                rank = self._rank(group)
+                if rank == 0:
                     await self._pull_group(group, republish=True)
                     continue
-                deadline = trio.current_time() + HANDOFF_WAIT
+                # The next hosts of the ring stand in for the designated one, one after
+                # the other (it may have died, or the hosts of the side may see
+                # different hosts back: a host declared dead for a moment during the
+                # heal); the rest pull for themselves at the end of the wait.
+                stand_in = rank < STAND_INS
+                wait = rank * STAND_IN_WAIT if stand_in else HANDOFF_WAIT
+                deadline = trio.current_time() + wait
                 while (any(h in self.pending for h in group)
                        and trio.current_time() < deadline):
                     await self._wait_change(deadline - trio.current_time())
                 left = {h: need for h, need in group.items() if h in self.pending}
-                if left:
+                if not left:
+                    continue
+                if stand_in:
+                    self.stats.stand_ins += 1
+                    log.info("no host of this side republished the changes of %d hosts "
+                             "back within %.0f s: standing in (%d after the designated "
+                             "host)", len(left), wait, rank)
+                else:
                     self.stats.handoff_timeouts += 1
                     log.warning("no host of this side republished the changes of %d hosts "
-                                "back within %.0f s: pulling them here", len(left),
-                                HANDOFF_WAIT)
-                    await self._pull_group(left, republish=False)
+                                "back within %.0f s: pulling them here", len(left), wait)
+                await self._pull_group(left, republish=stand_in)
         finally:
             self._running = False
 
@@ -234,10 +254,12 @@ class CatchUps:
                                   if p.ready and p.addr not in self.pending
                                   and p.addr not in self.owed)})
 
-    def _designated(self, group: Collection[str]) -> bool:
-        """This host follows the lowest address back on the ring of its side."""
+    def _rank(self, group: Collection[str]) -> int:
+        """Where this host comes on the ring of its side after the lowest address
+        back: 0, the designated host."""
         ring = self.side()
-        return ring[bisect.bisect_right(ring, min(group)) % len(ring)] == self.me
+        first = bisect.bisect_right(ring, min(group))
+        return (ring.index(self.me) - first) % len(ring)
 
     def _covered_meanwhile(self, group: Collection[str], uncovered: Collection[str],
                            since_unix: float) -> list[str]:

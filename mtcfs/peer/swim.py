@@ -371,7 +371,7 @@ class Swim:
         for u in msg.updates:
             if trusted or u.state == ALIVE or u.node == self.me:
                 self._learn(u, now)
-        out = self._answer(src, msg, now)
+        out = self._answer(src, msg, now, trusted)
         if (self._resync and now >= self._resync_asked + self.config.period
                 and (trusted or len(self._live) + 1 < len(self._dead))):
             # Back from the dead: take the member list of the first host that speaks;
@@ -404,7 +404,7 @@ class Swim:
             elif u.state == DEAD and was != DEAD:
                 self.listener.member_dead(u.node)
 
-    def _answer(self, src: str, msg: Message, now: float) -> Out:
+    def _answer(self, src: str, msg: Message, now: float, trusted: bool) -> Out:
         kind = msg.kind
         if kind == PING:
             return [self._send(src, Message(ACK, seq=msg.seq, target=self.me))]
@@ -424,10 +424,11 @@ class Swim:
             self._relays[seq] = _Relay(src, msg.seq, now + self.config.period)
             return [self._send(msg.target, Message(PING, seq=seq))]
         if kind == SYNC:
-            if self._resync:
-                # Back from the dead ourselves: our view is stale (the other side dead),
-                # and a host of the other side taking it would mark its own side dead.
-                # The asker asks the next host it hears from.
+            if self._resync and not trusted:
+                # Back from the dead ourselves, and the asker is of the other side (we
+                # held it dead): our view is stale (its side dead), and taking it, it
+                # would mark its own side dead. It asks the next host it hears from.
+                # (Hosts of one side answer each other: both may be resyncing.)
                 return []
             everyone = [Update(n, m.state, m.incarnation) for n, m in self.members.items()]
             everyone.append(Update(self.me, ALIVE, self.incarnation))

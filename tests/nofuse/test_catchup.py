@@ -81,8 +81,9 @@ class Side:
 
 
 def partition(me: str, **kw: object) -> Side:
-    """Hosts a0..a2 on one side (`me` among them), b0..b1 on the other."""
-    side = Side(me, View(*[a for a in ("a0", "a1", "a2", "b0", "b1") if a != me]), **kw)
+    """Hosts a0..a3 on one side (`me` among them), b0..b1 on the other."""
+    side = Side(me, View(*[a for a in ("a0", "a1", "a2", "a3", "b0", "b1") if a != me]),
+                **kw)
     side.cut("b0", "b1")
     return side
 
@@ -101,10 +102,10 @@ def clock() -> trio.testing.MockClock:
 
 
 def test_the_host_after_the_lowest_back_pulls_one_snapshot_for_its_side(clock) -> None:
-    # a0 follows b0 on the ring a0 < a1 < a2 (wrapping): it pulls. b0's snapshot
+    # a0 follows b0 on the ring a0 < a1 < a2 < a3 (wrapping): it pulls. b0's snapshot
     # covers b1 (b0 lacks only our side's changes), so one pull covers both.
-    side = partition("a0", uncovered={"b0": frozenset({"a0", "a1", "a2"}),
-                                      "b1": frozenset({"a0", "a1", "a2"})})
+    side = partition("a0", uncovered={"b0": frozenset({"a0", "a1", "a2", "a3"}),
+                                      "b1": frozenset({"a0", "a1", "a2", "a3"})})
 
     async def heal() -> None:
         side.heal("b0", "b1")
@@ -128,7 +129,7 @@ def test_the_others_of_the_side_take_the_marker_and_pull_nothing(clock) -> None:
 
     async def heal() -> None:
         side.heal("b0", "b1")
-        await trio.sleep(5.0)
+        await trio.sleep(3.0)
         assert not side.c.accounted()  # (commit markers wait)
         side.c.marker("a0", ["b0", "b1"], time.time() - 3600)
 
@@ -139,7 +140,7 @@ def test_the_others_of_the_side_take_the_marker_and_pull_nothing(clock) -> None:
 
 
 def test_a_marker_that_reaches_back_too_little_does_not_count(clock) -> None:
-    side = partition("a1")
+    side = partition("a3")
 
     async def heal() -> None:
         side.heal("b0", "b1")
@@ -150,9 +151,31 @@ def test_a_marker_that_reaches_back_too_little_does_not_count(clock) -> None:
     assert [h for h, _, _ in side.pulls] in (["b0", "b1"], ["b1", "b0"])  # no coverage said
 
 
+def test_the_next_host_stands_in_for_the_designated_one(clock) -> None:
+    # a1 comes after a0 (the designated host): without a marker within STAND_IN_WAIT
+    # it pulls and republishes as a0 would have.
+    side = partition("a1", uncovered={"b0": frozenset({"a0", "a1", "a2", "a3"}),
+                                      "b1": frozenset({"a0", "a1", "a2", "a3"})})
+    waited: list[float] = []
+
+    async def heal() -> None:
+        t0 = trio.current_time()
+        side.heal("b0", "b1")
+        while not side.pulls:
+            await trio.sleep(0.1)
+        waited.append(trio.current_time() - t0)
+
+    trio.run(run, side, 10.0, heal, clock=clock)
+    assert catchup.STAND_IN_WAIT <= waited[0] <= catchup.STAND_IN_WAIT + catchup.GATHER_MAX + 1
+    assert len(side.pulls) == 1 and side.pulls[0][2] is True
+    assert side.c.stats.stand_ins == 1 and side.c.stats.handoff_timeouts == 0
+    assert [h for h, _ in side.markers] == [["b0", "b1"]] and side.c.accounted()
+
+
 def test_without_a_marker_a_host_pulls_itself_after_the_wait(clock) -> None:
-    side = partition("a2", uncovered={"b0": frozenset({"a0", "a1", "a2"}),
-                                      "b1": frozenset({"a0", "a1", "a2"})})
+    # a3 is the third after the designated host: it does not stand in.
+    side = partition("a3", uncovered={"b0": frozenset({"a0", "a1", "a2", "a3"}),
+                                      "b1": frozenset({"a0", "a1", "a2", "a3"})})
     waited: list[float] = []
 
     async def heal() -> None:
