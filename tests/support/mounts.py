@@ -209,11 +209,20 @@ class MtcfsMount:
         return self.start()
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 nobody listens on now, and not handed out before in
+    this process: a port asked for and not bound yet (a daemon starting) is free to
+    the kernel, which can give it again (a metrics port became a peer port once)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class PeerCluster:
