@@ -136,11 +136,12 @@ class CatchUps:
         self.owed.setdefault(p.addr, (p.heard_at, incarnation))
 
     def back(self, p: Peer, incarnation: int) -> None:
-        """`p` is alive and caught up again (trio thread)."""
+        """`p` is alive and caught up (trio thread): back after we saw it dead, or
+        first seen since we started (it was away then: everything it has)."""
         owed = self.owed.pop(p.addr, None)
-        if owed is None or self._nursery is None:
+        if self._nursery is None:
             return
-        last_heard, then = owed
+        last_heard, then = owed if owed is not None else (0.0, incarnation)
         if incarnation - then >= swim.RESTART_JUMP:
             log.info("peer %s (%s) restarted while it was away: nothing to pull",
                      p.addr, p.node_id)
@@ -283,6 +284,7 @@ class CatchUps:
         since = 0.0
         if start > 0:
             since = now - start + (HANDOFF_SLACK if republish else 0.0)
+        since_unix = now - since if since else 0.0  # (0: whole snapshots)
         left = set(group)  # not covered yet
         tried: set[str] = set()
         covered: list[str] = []
@@ -306,8 +308,7 @@ class CatchUps:
             covered += sorted(done)
             left -= done
             if pulled.uncovered is not None:
-                ahead += self._covered_meanwhile(group, pulled.uncovered,
-                                                 now - since if since else 0.0)
+                ahead += self._covered_meanwhile(group, pulled.uncovered, since_unix)
         for h in group:
             if self.pending.get(h) == group[h]:  # (not gone and back again meanwhile)
                 del self.pending[h]
@@ -328,5 +329,5 @@ class CatchUps:
         if not (republish and covered):
             return
         if await self._settle(f"republishing the changes of {len(covered)} hosts back"):
-            self._announce(sorted({*covered, *ahead}), now - since if since else 0.0)
+            self._announce(sorted({*covered, *ahead}), since_unix)
             self.stats.markers_sent += 1

@@ -185,21 +185,22 @@ class Broadcaster:
         """A catch-up marker (mtcfs.peer.catchup) in a batch of its own, after
         everything published before it."""
         self._flush()
-        batch = pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(), caught_up=marker)
-        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic())
-        self.stats.batches_sent += 1
-        self._emit(out)
+        self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(),
+                                     caught_up=marker))
         self._notify()
 
     def _flush(self) -> None:
         while self._buffer:
             part, self._buffer = self._buffer[:MAX_BATCH], self._buffer[MAX_BATCH:]
-            batch = pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(), entries=part)
-            _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic())
-            self.stats.batches_sent += 1
-            self.stats.entries_sent += len(part)
-            self._emit(out)
+            self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(),
+                                         entries=part))
         self._notify()  # a batch to no one (no other host) is complete at once
+
+    def _publish(self, batch: pb.ChangeBatch) -> None:
+        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic())
+        self.stats.batches_sent += 1
+        self.stats.entries_sent += len(batch.entries)
+        self._emit(out)
 
     def pending(self) -> int:
         """Entries of this host's not yet on every host."""

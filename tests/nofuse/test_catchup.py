@@ -96,6 +96,26 @@ async def run(side: Side, until: float, then=None) -> None:
         n.cancel_scope.cancel()
 
 
+# What b0 and b1 lack after the partition: side a's changes (so each covers the other).
+SIDE_B_LACKS_SIDE_A: dict[str, frozenset[str] | None] = {
+    b: frozenset({"a0", "a1", "a2", "a3"}) for b in ("b0", "b1")}
+
+
+def first_pull_after_heal(side: Side, until: float, clock: trio.testing.MockClock) -> float:
+    """Heal b0 and b1; the seconds until `side` made its first pull."""
+    waited: list[float] = []
+
+    async def heal() -> None:
+        t0 = trio.current_time()
+        side.heal("b0", "b1")
+        while not side.pulls:
+            await trio.sleep(0.1)
+        waited.append(trio.current_time() - t0)
+
+    trio.run(run, side, until, heal, clock=clock)
+    return waited[0]
+
+
 @pytest.fixture
 def clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)
@@ -104,8 +124,7 @@ def clock() -> trio.testing.MockClock:
 def test_the_host_after_the_lowest_back_pulls_one_snapshot_for_its_side(clock) -> None:
     # a0 follows b0 on the ring a0 < a1 < a2 < a3 (wrapping): it pulls. b0's snapshot
     # covers b1 (b0 lacks only our side's changes), so one pull covers both.
-    side = partition("a0", uncovered={"b0": frozenset({"a0", "a1", "a2", "a3"}),
-                                      "b1": frozenset({"a0", "a1", "a2", "a3"})})
+    side = partition("a0", uncovered=SIDE_B_LACKS_SIDE_A)
 
     async def heal() -> None:
         side.heal("b0", "b1")
@@ -154,19 +173,9 @@ def test_a_marker_that_reaches_back_too_little_does_not_count(clock) -> None:
 def test_the_next_host_stands_in_for_the_designated_one(clock) -> None:
     # a1 comes after a0 (the designated host): without a marker within STAND_IN_WAIT
     # it pulls and republishes as a0 would have.
-    side = partition("a1", uncovered={"b0": frozenset({"a0", "a1", "a2", "a3"}),
-                                      "b1": frozenset({"a0", "a1", "a2", "a3"})})
-    waited: list[float] = []
-
-    async def heal() -> None:
-        t0 = trio.current_time()
-        side.heal("b0", "b1")
-        while not side.pulls:
-            await trio.sleep(0.1)
-        waited.append(trio.current_time() - t0)
-
-    trio.run(run, side, 10.0, heal, clock=clock)
-    assert catchup.STAND_IN_WAIT <= waited[0] <= catchup.STAND_IN_WAIT + catchup.GATHER_MAX + 1
+    side = partition("a1", uncovered=SIDE_B_LACKS_SIDE_A)
+    waited = first_pull_after_heal(side, 10.0, clock)
+    assert catchup.STAND_IN_WAIT <= waited <= catchup.STAND_IN_WAIT + catchup.GATHER_MAX + 1
     assert len(side.pulls) == 1 and side.pulls[0][2] is True
     assert side.c.stats.stand_ins == 1 and side.c.stats.handoff_timeouts == 0
     assert [h for h, _ in side.markers] == [["b0", "b1"]] and side.c.accounted()
@@ -174,21 +183,11 @@ def test_the_next_host_stands_in_for_the_designated_one(clock) -> None:
 
 def test_without_a_marker_a_host_pulls_itself_after_the_wait(clock) -> None:
     # a3 is the third after the designated host: it does not stand in.
-    side = partition("a3", uncovered={"b0": frozenset({"a0", "a1", "a2", "a3"}),
-                                      "b1": frozenset({"a0", "a1", "a2", "a3"})})
-    waited: list[float] = []
-
-    async def heal() -> None:
-        t0 = trio.current_time()
-        side.heal("b0", "b1")
-        while not side.pulls:
-            await trio.sleep(0.1)
-        waited.append(trio.current_time() - t0)
-
-    trio.run(run, side, catchup.HANDOFF_WAIT + 10, heal, clock=clock)
+    side = partition("a3", uncovered=SIDE_B_LACKS_SIDE_A)
+    waited = first_pull_after_heal(side, catchup.HANDOFF_WAIT + 10, clock)
     # The gather, then HANDOFF_WAIT for the designated host (a0), then one pull (the
     # snapshot covers the other host back), not republished.
-    assert catchup.HANDOFF_WAIT <= waited[0] <= catchup.HANDOFF_WAIT + catchup.GATHER_MAX + 1
+    assert catchup.HANDOFF_WAIT <= waited <= catchup.HANDOFF_WAIT + catchup.GATHER_MAX + 1
     assert len(side.pulls) == 1 and side.pulls[0][2] is False
     assert side.c.stats.handoff_timeouts == 1 and side.markers == []
     assert side.c.accounted()
@@ -223,6 +222,19 @@ def test_a_failed_pull_is_tried_again_then_given_up(clock) -> None:
     trio.run(run, side, 30.0, heal, clock=clock)
     assert [h for h, _, _ in side.pulls] == ["a0"] * catchup.MAX_TRIES
     assert side.c.stats.pulls_failed == catchup.MAX_TRIES and side.c.accounted()
+
+
+def test_a_host_first_seen_after_we_started_is_pulled_whole(clock) -> None:
+    # b0 was away when this host started (it went live without it): everything b0
+    # has is pulled, not a delta.
+    side = Side("b1", View("b0"))
+    side.view.peers["b0"].alive = False
+
+    async def heal() -> None:
+        side.heal("b0")
+
+    trio.run(run, side, 10.0, heal, clock=clock)
+    assert side.pulls == [("b0", 0.0, False)] and side.c.accounted()
 
 
 def test_a_host_that_restarted_meanwhile_is_not_pulled_from(clock) -> None:
