@@ -448,11 +448,21 @@ def tree(node: Node, rel: str) -> dict[str, int]:
     return out
 
 
-def told_by_another(n: Node) -> int:
-    """Hosts back that `n` was told another host of its side caught up with (the
-    marker may come before `n` sees them back: covered_by_earlier)."""
-    c = n.pstatus()["catch_ups"]
+def told_by_another(c: dict) -> int:
+    """Hosts back that a host was told another host of its side caught up with (the
+    marker may come before it sees them back: covered_by_earlier)."""
     return c["covered_by_markers"] + c["covered_by_earlier"]
+
+
+def catch_ups_since(nodes: list[Node], before: dict[str, dict]) -> dict[str, dict]:
+    """Each node's catch-up counters since `before` (a host caught up with at start,
+    first seen alive once this one was live, is pulled whole then: not the heal's)."""
+    out = {}
+    for n in nodes:
+        now, then = n.pstatus()["catch_ups"], before[n.node_id]
+        out[n.node_id] = {k: v if k in ("owed", "pending") else v - then[k]
+                          for k, v in now.items()}
+    return out
 
 
 def deaths(n: Node) -> int:
@@ -472,7 +482,7 @@ def check_once_per_side(cu: dict, h2: Node, puller: Node, told: Node,
     # at that moment (then a second pull: still one per host at most, as before).
     assert cu[h2.node_id]["pulls"] <= 2, cu
     assert cu[puller.node_id]["pulls"] == 1 and cu[puller.node_id]["markers_sent"] == 1, cu
-    assert cu[told.node_id]["pulls"] == 0 and told_by_another(told) == 1, cu
+    assert cu[told.node_id]["pulls"] == 0 and told_by_another(cu[told.node_id]) == 1, cu
     st = {n.node_id: n.pstatus() for n in (h2, puller, told)}
     assert st[h2.node_id]["delta_snapshots_served"] == 1, st[h2.node_id]
     assert st[h2.node_id]["snapshot_entries_served"] > served[h2.node_id]
@@ -507,6 +517,7 @@ def test_partition_heals_both_ways(make_net) -> None:
 
     served = {n.node_id: n.pstatus()["snapshot_entries_served"] for n in (h0, h1, h2)}
     dead_before = {n.node_id: deaths(n) for n in (h0, h1, h2)}
+    cu_before = {n.node_id: n.pstatus()["catch_ups"] for n in (h0, h1, h2)}
     h2.host.link_up()
     t0 = time.monotonic()
     for node in (h0, h1, h2):
@@ -529,7 +540,7 @@ def test_partition_heals_both_ways(make_net) -> None:
             f"{n.node_id} ({n.addr}): {n.pstatus()['catch_ups']}\n"
             + "\n".join(line for line in n.log().splitlines() if "catch" in line
                         or "back" in line or "dead" in line) for n in (h0, h1, h2))) from e
-    cu = {n.node_id: n.pstatus()["catch_ups"] for n in (h0, h1, h2)}
+    cu = catch_ups_since([h0, h1, h2], cu_before)
     print(f"[netns] catch-ups: {cu}")
     # (h2 may still be declaring the others dead: the partition's own deaths.)
     false = {n.node_id: deaths(n) - dead_before[n.node_id] for n in (h0, h1)}
@@ -568,12 +579,13 @@ def test_a_host_back_is_caught_up_with_once_per_side(make_net) -> None:
     expected = {"before": 1000, "on-the-four": 2000, "on-the-cut-off-host": len(theirs)}
     served = cut.pstatus()["snapshots_served"]
     dead_before = {n.node_id: deaths(n) for n in nodes}
+    cu_before = {n.node_id: n.pstatus()["catch_ups"] for n in nodes}
     cut.host.link_up()
     for n in nodes:
         wait_until(lambda n=n: tree(n, "job") == expected, 15,
                    what=f"{n.node_id} to have the merged tree (has {tree(n, 'job')})")
     wait_until(lambda: all(settled(n) for n in nodes), 30, what="every catch-up to end")
-    cu = {n.node_id: n.pstatus()["catch_ups"] for n in nodes}
+    cu = catch_ups_since(nodes, cu_before)
     st = {n.node_id: n.pstatus() for n in nodes}
     print(f"[netns] catch-ups: {cu}")
     assert_good(writer.read("job/on-the-cut-off-host"), theirs, "the cut-off host's file")
@@ -591,5 +603,5 @@ def test_a_host_back_is_caught_up_with_once_per_side(make_net) -> None:
     assert cu[cut.node_id]["pulls"] <= 2, cu
     assert sum(cu[n.node_id]["pulls"] for n in others) == 1, cu
     assert sum(c["markers_sent"] for c in cu.values()) == 1, cu
-    assert sum(told_by_another(n) for n in others) == 3, cu
+    assert sum(told_by_another(cu[n.node_id]) for n in others) == 3, cu
     assert not any(c["handoff_timeouts"] for c in cu.values()), cu

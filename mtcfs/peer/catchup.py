@@ -114,6 +114,7 @@ class CatchUps:
         # which (0: everything).
         self.pending: dict[str, float] = {}
         self._tries: dict[str, int] = {}  # failed pulls from a host back, in a row
+        self._first: set[str] = set()  # first heard of once we were live: pulled whole
         # Hosts whose changes from since_unix on were merged here lately (a marker, or
         # a pull that covered them while we still saw them dead): host -> (since_unix,
         # time.monotonic() then). Counts for MARKER_TTL when they are back.
@@ -141,7 +142,14 @@ class CatchUps:
         owed = self.owed.pop(p.addr, None)
         if self._nursery is None:
             return
-        last_heard, then = owed if owed is not None else (0.0, incarnation)
+        if owed is None:
+            # Heard of only once this host was live (it went live without it): its
+            # whole snapshot, from it, at once (no side to share it with: the others
+            # knew it before).
+            self._first.add(p.addr)
+            self._nursery.start_soon(self._first_contact, p)
+            return
+        last_heard, then = owed
         if incarnation - then >= swim.RESTART_JUMP:
             log.info("peer %s (%s) restarted while it was away: nothing to pull",
                      p.addr, p.node_id)
@@ -188,13 +196,14 @@ class CatchUps:
         """The hosts whose changes we may lack: a snapshot from here covers the rest."""
         return sorted(a for a, p in self.members.peers.items()
                       if not p.removed and (p.dead or not p.alive or a in self.owed
-                                            or a in self.pending))
+                                            or a in self.pending or a in self._first))
 
     def accounted(self) -> bool:
-        return not self.pending
+        return not self.pending and not self._first
 
     def status(self) -> dict[str, object]:
-        return {**vars(self.stats), "owed": len(self.owed), "pending": len(self.pending)}
+        return {**vars(self.stats), "owed": len(self.owed),
+                "pending": len(self.pending) + len(self._first)}
 
     # -- the rounds ------------------------------------------------------------------------
 
@@ -207,6 +216,15 @@ class CatchUps:
             await self._changed.wait()
             return True
         return False
+
+    async def _first_contact(self, p: Peer) -> None:
+        try:
+            pulled = await self._pull(p, 0.0, False)
+            self.stats.pulls += 1
+            self.stats.pulls_failed += not pulled.ok
+        finally:
+            self._first.discard(p.addr)
+            self._accounted()
 
     async def _rounds(self) -> None:
         try:
