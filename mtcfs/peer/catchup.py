@@ -75,6 +75,7 @@ class Pulled:
 
 @dataclass
 class Stats:
+    seen_back: int = 0  # hosts seen back after this host saw them dead
     pulls: int = 0  # catch-up pulls made here
     pulls_failed: int = 0
     covered_by_pulls: int = 0  # hosts back covered by a pull from another host back
@@ -150,6 +151,7 @@ class CatchUps:
             self._nursery.start_soon(self._first_contact, p)
             return
         last_heard, then = owed
+        self.stats.seen_back += 1
         if incarnation - then >= swim.RESTART_JUMP:
             log.info("peer %s (%s) restarted while it was away: nothing to pull",
                      p.addr, p.node_id)
