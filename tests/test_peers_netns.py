@@ -476,6 +476,23 @@ def settled(n: Node) -> bool:
     return not c["owed"] and not c["pending"]
 
 
+def heal_was_clean(cut: Node, side: list[Node], dead_before: dict[str, int],
+                   cu: dict[str, dict]) -> bool:
+    """Each host of `side` saw back only `cut`, and `cut` only them: the pull counts
+    hold. Else (a host starved of CPU declared dead for a moment during the heal) the
+    hosts see different hosts back and may not agree on who pulls for them (then
+    stand-ins pull after 5-10 s, the others after 20 s); merged all the same. (`cut`
+    may still be declaring the others dead: the partition's own deaths.)"""
+    false = {n.node_id: deaths(n) - dead_before[n.node_id] for n in side}
+    seen = {k: c["seen_back"] for k, c in cu.items()}
+    if any(false.values()) or seen != {**{n.node_id: 1 for n in side},
+                                        cut.node_id: len(side)}:
+        print(f"[netns] deaths during the heal {false}, hosts seen back {seen}: "
+              "pull counts not checked")
+        return False
+    return True
+
+
 def check_once_per_side(cu: dict, h2: Node, puller: Node, told: Node,
                         served: dict[str, int]) -> None:
     # h2's first pull covers the other host unless its source saw that one suspect
@@ -542,15 +559,7 @@ def test_partition_heals_both_ways(make_net) -> None:
                         or "back" in line or "dead" in line) for n in (h0, h1, h2))) from e
     cu = catch_ups_since([h0, h1, h2], cu_before)
     print(f"[netns] catch-ups: {cu}")
-    # The counts hold when each host saw back only the hosts of the other side (h2 may
-    # still be declaring the others dead: the partition's own deaths).
-    false = {n.node_id: deaths(n) - dead_before[n.node_id] for n in (h0, h1)}
-    seen = {k: c["seen_back"] for k, c in cu.items()}
-    if any(false.values()) or seen != {h0.node_id: 1, h1.node_id: 1, h2.node_id: 2}:
-        # (See test_a_host_back_is_caught_up_with_once_per_side.)
-        print(f"[netns] deaths during the heal {false}, hosts seen back {seen}: "
-              "pull counts not checked")
-    else:
+    if heal_was_clean(h2, [h0, h1], dead_before, cu):
         check_once_per_side(cu, h2, puller, told, served)
     assert h2.path("job/subdir/keep").read_bytes() == b"keep" * 1000
     assert h2.path("job/new-during-partition").read_bytes() == b"new" * 5000
@@ -592,15 +601,7 @@ def test_a_host_back_is_caught_up_with_once_per_side(make_net) -> None:
     st = {n.node_id: n.pstatus() for n in nodes}
     print(f"[netns] catch-ups: {cu}")
     assert_good(writer.read("job/on-the-cut-off-host"), theirs, "the cut-off host's file")
-    false = {n.node_id: deaths(n) - dead_before[n.node_id] for n in others}
-    seen = {k: c["seen_back"] for k, c in cu.items()}
-    if any(false.values()) or seen != {n.node_id: 1 if n in others else 4 for n in nodes}:
-        # A host starved of CPU was declared dead for a moment during the heal: the
-        # hosts see different hosts back and may not agree on who pulls for them
-        # (then stand-ins pull after 5-10 s, the others after 20 s). Merged all the
-        # same (above).
-        print(f"[netns] deaths during the heal {false}, hosts seen back {seen}: "
-              "pull counts not checked")
+    if not heal_was_clean(cut, others, dead_before, cu):
         return
     # One pull served (not four); the cut-off host pulls once, twice if its first
     # source saw another host suspect at that moment (not four).

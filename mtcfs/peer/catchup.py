@@ -219,11 +219,15 @@ class CatchUps:
             return True
         return False
 
+    async def _counted_pull(self, p: Peer, since: float, republish: bool) -> Pulled:
+        pulled = await self._pull(p, since, republish)
+        self.stats.pulls += 1
+        self.stats.pulls_failed += not pulled.ok
+        return pulled
+
     async def _first_contact(self, p: Peer) -> None:
         try:
-            pulled = await self._pull(p, 0.0, False)
-            self.stats.pulls += 1
-            self.stats.pulls_failed += not pulled.ok
+            await self._counted_pull(p, 0.0, False)
         finally:
             self._first.discard(p.addr)
             self._accounted()
@@ -317,10 +321,8 @@ class CatchUps:
                 break
             src = random.choice(candidates)
             tried.add(src)
-            pulled = await self._pull(self.members.peers[src], since, republish)
-            self.stats.pulls += 1
+            pulled = await self._counted_pull(self.members.peers[src], since, republish)
             if not pulled.ok:
-                self.stats.pulls_failed += 1
                 continue
             done = {src} if pulled.uncovered is None else {
                 h for h in left if h == src or h not in pulled.uncovered}
