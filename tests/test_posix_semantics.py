@@ -639,6 +639,11 @@ def test_root_write_keeps_set_id_bits_while_a_user_has_the_file_open(make_mount,
 def test_writes_past_the_largest_file_fail_with_efbig(mnt):
     p = mnt.path / "f"
     p.write_bytes(b"x")
+    # The kernel releases the creating handle a moment after close(); an open before
+    # that joins its kind (the daemon's), so which path serves the write would be a race.
+    deadline = time.monotonic() + 10
+    while mnt.state("f")["state"] != "closed" and time.monotonic() < deadline:
+        time.sleep(0.005)
     limit = 1 << 40
     fd = os.open(p, os.O_WRONLY)
     try:
