@@ -429,9 +429,25 @@ class Conn:
         r, w = self._pipe
         sock = self.sock.fileno()
         while n:
-            got = os.splice(sock, w, min(n, PIPE_SIZE), flags=os.SPLICE_F_MOVE)
-            if got == 0:
-                raise BulkError("connection closed by the other side")
+            # The pipe fills up to the file's next PIPE_SIZE boundary before it is written:
+            # tmpfs zeroes all of a new huge page but the bytes of its first write, so
+            # writing each socket read as it came (often 64-256 KiB) zeroed about every
+            # byte once more (perf: memset as costly as the copy itself).
+            want = min(n, PIPE_SIZE - off % PIPE_SIZE)
+            got = 0
+            while got < want:
+                try:
+                    # Non-blocking on the pipe once it holds bytes: EAGAIN when its slots
+                    # are full before `want` (a socket's small buffers) -- write those.
+                    more = os.splice(sock, w, want - got, flags=os.SPLICE_F_MOVE | (
+                        os.SPLICE_F_NONBLOCK if got else 0))
+                except BlockingIOError:
+                    if not got:
+                        raise  # the receive timeout ran out
+                    break
+                if more == 0:
+                    raise BulkError("connection closed by the other side")
+                got += more
             n -= got
             while got:
                 put = os.splice(r, fd, got, offset_dst=off, flags=os.SPLICE_F_MOVE)
