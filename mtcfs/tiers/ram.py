@@ -232,7 +232,14 @@ class RamTier:
         key = -self._incoming_seq  # charges of incoming files use negative keys
         self._set_charge(key, size)
         path = os.path.join(self.incoming_dir, str(self._incoming_seq))
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            # At its full size (a hole: nothing allocated) so that huge pages back it
+            # (huge=within_size): growing by appends it got small ones. A push of 1 GiB,
+            # alternated: 850 against 739 MiB/s, receiver 0.81 against 0.95 CPU-s.
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
         return key, path
 
     def abort_incoming(self, key: int, path: str) -> None:
