@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import google_crc32c
@@ -127,6 +128,47 @@ def raw_session(server: BulkServer) -> bulk.Conn:
     """A connection that passed the handshake, for sending hand-made frames."""
     sock = socket.create_connection(addr(server), timeout=5)
     return bulk.client_handshake(sock, Keys(TOKEN))
+
+
+@pytest.mark.parametrize("piece", [1000, 64 * 1024 + 7])
+def test_a_block_in_small_pieces_lands_whole(tmp_path, piece):
+    """A block that arrives in many small segments: the receiver's pipe fills its
+    slots before the file's next MiB boundary and writes what it holds, then goes on.
+    The bytes land whole, at their offsets, and their digest and crc32c are right."""
+    a, b = socket.socketpair()
+    key = Keys(TOKEN).session(b"s" * 32, b"c" * 32)
+    sender = bulk.Conn(a, key, client=True)
+    receiver = bulk.Conn(b, key, client=False)
+    data = blob(piece, 2 * BLOCK - 12345)
+    spans = bulk.spans(0, len(data))
+
+    def send() -> None:
+        for off, n in spans:
+            block = data[off:off + n]
+            mac = sender._mac_of(sender.out_dir, sender.sent, bulk.DATA, off, n,
+                                 bulk.digest_of(block))
+            sender.sent += 1
+            a.sendall(HEADER.pack(bulk.DATA, off, n, mac))
+            for i in range(0, n, piece):  # a segment each (a Unix socket keeps them apart)
+                a.sendall(block[i:i + piece])
+
+    t = threading.Thread(target=send)
+    t.start()
+    fd = os.open(tmp_path / "dest", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, len(data))
+        with ThreadPoolExecutor(2) as verifier:
+            got = list(receiver.land_blocks(fd, spans, verifier))
+    finally:
+        os.close(fd)
+        t.join()
+        sender.close()
+        receiver.close()
+    assert [(off, n) for off, n, _, _ in got] == spans
+    for off, n, digest, crc in got:
+        assert digest == bulk.digest_of(data[off:off + n])
+        assert crc == google_crc32c.value(data[off:off + n])
+    assert (tmp_path / "dest").read_bytes() == data
 
 
 def test_push_and_fetch(channel, tmp_path):
