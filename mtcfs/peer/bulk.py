@@ -4,8 +4,9 @@ beside gRPC, which stays the control plane (index, health, push offers).
 Through gRPC every 1 MiB chunk was a protobuf message built and parsed in
 Python; here the sender hands the kernel a sendfile() from the RAM file and
 the receiver splice()s each block from the socket through a pipe into the
-destination file (one copy, in the kernel), then checks it through a mapping
-of the file in a second thread while the next block arrives. Receiving into a
+destination file (one copy, in the kernel; the pipe gathers up to the file's
+next MiB boundary first, see Conn._splice_into), then checks it through a
+mapping of the file in a second thread while the next block arrives. Receiving into a
 buffer and pwrite()ing it copied every byte twice, and the checks waited for
 the socket and the socket for the checks.
 
