@@ -58,6 +58,7 @@ import json
 import os
 import queue
 import random
+import re
 import shutil
 import signal
 import struct
@@ -97,6 +98,10 @@ DEFAULT_WEIGHTS = {"kill_remount": 2, "kill_replace": 1, "sigstop": 2, "netcut":
                    "gcs_stop": 1, "gcs_restart": 1}
 SLOW_OP = 60.0  # a mount call running this long is reported (bounded faults last <= 15 s)
 HANG_OP = 300.0  # ... and this long is a hang
+# A step's writes or commit failing this long (faults last <= 15 s, a remount retries
+# for as long as the bucket is down) end the run with a finding instead of retrying
+# forever: a host that never comes back must fail the run, not hang it.
+GIVE_UP = 120.0
 
 
 @dataclasses.dataclass
@@ -339,6 +344,7 @@ class Gcs:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> None:
+        self._drop_partial_files()
         with open(self.run.dir / "logs" / "gcs.log", "ab") as log:
             self.proc = self.host.popen(
                 [str(fake_gcs_binary()), "-scheme", "http", "-backend", "filesystem",
@@ -364,6 +370,19 @@ class Gcs:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+    # The filesystem backend writes an object to ".<name><random digits>" beside it and
+    # renames it when done; killed meanwhile, it leaves that file, and from then on its
+    # object listing answers 404 for the whole bucket (seen: every remount then failed
+    # with "bucket does not exist"). Real GCS never shows a partial upload.
+    PARTIAL = re.compile(r"\.(__\d+_\d+\.distcp|\.metadata)\d+")
+
+    def _drop_partial_files(self) -> None:
+        storage = self.root / "storage"
+        if storage.is_dir():
+            for p in storage.rglob(".*"):
+                if p.is_file() and self.PARTIAL.fullmatch(p.name):
+                    p.unlink(missing_ok=True)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -716,9 +735,8 @@ class Chaos:
     def host_part(self, step: int, h: int) -> bool:
         c = self.cfg
         d = self.daemons[h]
-        tries = 0
+        started = time.monotonic()
         while True:
-            tries += 1
             t0 = time.monotonic()
             res = self.io(["write", d.mp, c.seed, step, h, c.shards, c.shard_bytes],
                           f"step {step} shards of h{h}", h)
@@ -727,9 +745,8 @@ class Chaos:
                 self.write_window[(step, h)] = (t0, time.monotonic())
                 return True
             self.note_error("write", step, h, res)
-            if res["errname"] == "HANG" or self.stop_all.is_set():
+            if not self.retry(res, started, f"step {step} shards of h{h}"):
                 return False
-            time.sleep(0.5)
 
     def note_error(self, what: str, step: int, h: int, res: dict) -> None:
         name = res.get("errname", "?")
@@ -749,6 +766,7 @@ class Chaos:
         c = self.cfg
         h = step % c.hosts
         d = self.daemons[h]
+        started = time.monotonic()
         while True:
             t0 = time.monotonic()
             res = self.io(["commit", d.mp, c.seed, step, c.hosts, c.shards, c.shard_bytes],
@@ -762,9 +780,20 @@ class Chaos:
                              rename_s=res["rename_s"], elapsed=res["elapsed"])
                 return True
             self.note_error("commit", step, h, res)
-            if res["errname"] == "HANG" or self.stop_all.is_set():
+            if not self.retry(res, started, f"commit of step {step} on h{h}"):
                 return False
-            time.sleep(0.5)
+
+    def retry(self, res: dict, started: float, what: str) -> bool:
+        """After a failed write or commit: wait a moment and try again (True), or give up
+        (False) on a hang, at the end, or when it has failed for GIVE_UP seconds."""
+        if res["errname"] == "HANG" or self.stop_all.is_set():
+            return False
+        if time.monotonic() - started > GIVE_UP:
+            self.finding("writer_stuck", f"{what} failed for {GIVE_UP:.0f} s, last: "
+                         f"{res.get('errname')} ({res.get('error', '')[:120]})")
+            return False
+        time.sleep(0.5)
+        return True
 
     def train(self, until: float) -> None:
         c = self.cfg
