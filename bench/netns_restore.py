@@ -157,6 +157,7 @@ def group(ctx: Context) -> list[Row]:
                            what=f"{r.node_id} to see h0..h{k - 1}")
                 pids = [h.proc.pid for h in holders[:k] if h.proc is not None]
                 assert r.proc is not None
+                ctx.scratch.warm(2 * size)  # the copy and the page cache (see Scratch.warm)
                 c0 = cpu_seconds(r.proc.pid), sum(cpu_seconds(p) for p in pids)
                 if prefetch:
                     res = {"ok": True, "size": size, "elapsed": prefetch_seconds(r.mp, [rel])}
@@ -179,6 +180,7 @@ def group(ctx: Context) -> list[Row]:
 
         def sendfile_ref() -> float:
             dest = ram_root / "sendfile-dest"
+            ctx.scratch.warm(2 * size)
             recv = reader_host.popen([sys.executable, "-c", RECEIVER, reader_host.addr,
                                       str(dest), str(size)], stdout=subprocess.PIPE, text=True)
             try:
