@@ -251,8 +251,12 @@ class Scratch:
         where = self.tmp / "warm"
         if mount_entry(str(where)) is None:
             where.mkdir(exist_ok=True)
-            run(["mount", "-t", "tmpfs", "-o", "huge=always,size=50%", "mtcfs-bench-warm",
-                 str(where)])
+            for opts in ("huge=always,size=50%", "size=50%"):  # no huge pages for tmpfs here
+                if run(["mount", "-t", "tmpfs", "-o", opts, "mtcfs-bench-warm", str(where)],
+                       check=False).returncode == 0:
+                    break
+            else:
+                raise BenchError(f"cannot mount a tmpfs at {where} to warm memory")
             self.defer(lambda: force_unmount(where))
         chunk = bytes(4 << 20)
         fd = os.open(where / "fill", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
