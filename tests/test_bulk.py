@@ -145,8 +145,7 @@ def test_a_block_in_small_pieces_lands_whole(tmp_path, piece):
     def send() -> None:
         for off, n in spans:
             block = data[off:off + n]
-            mac = sender._mac_of(sender.out_dir, sender.sent, bulk.DATA, off, n,
-                                 bulk.digest_of(block))
+            mac = sender._mac(sender.out_dir, sender.sent, bulk.DATA, off, block)
             sender.sent += 1
             a.sendall(HEADER.pack(bulk.DATA, off, n, mac))
             for i in range(0, n, piece):  # a segment each (a Unix socket keeps them apart)

@@ -641,9 +641,8 @@ def test_writes_past_the_largest_file_fail_with_efbig(mnt):
     p.write_bytes(b"x")
     # The kernel releases the creating handle a moment after close(); an open before
     # that joins its kind (the daemon's), so which path serves the write would be a race.
-    deadline = time.monotonic() + 10
-    while mnt.state("f")["state"] != "closed" and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: mnt.state("f")["state"] == "closed", 10,
+               what="the creating handle to be released")
     limit = 1 << 40
     fd = os.open(p, os.O_WRONLY)
     try:
