@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     scratch = Scratch()
     try:
+        held = scratch.keep_freed_memory()
+        if held:
+            err.print(f"  {held} (see docs/benchmarks.md, Method)", style="dim")
         ctx = Context(
             args.reps,
             args.size,
