@@ -232,7 +232,6 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
         _merge_bucket(listing, {k for k, _ in store.load_pending_deletes()})
 
     peers = None
-    digests = None
     if members is not None:
         from mtcfs.peer.tier import PeerTier
 
@@ -242,8 +241,6 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
                          secret=_secret(opts), tls=_tls(opts),
                          failure_domain=opts.failure_domain or "",
                          commit_timeout=opts.commit_timeout, bulk=bulk, bulk_server=bulk_server)
-        if bulk is not None and replicas:
-            digests = bulk.hashes  # the seal's pass takes them for the pushes
     uploader = None
     if tier is not None:
         from mtcfs.persist.policy import PersistPolicy
@@ -264,7 +261,7 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     fs = Filesystem(ns, ram, copies, events, kernel, clock, fetcher, space, durability,
                     passthrough, node_id=opts.node_id, control_socket=opts.control_socket,
                     rules=rules, visibility=peers, visibility_mode=opts.visibility,
-                    durable_name=_durable_name(tier), digests=digests)
+                    durable_name=_durable_name(tier))
     retention = (Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
                  if opts.keep_steps else None)
     # With peers, a committed step whose file lost its last copy is withdrawn.

@@ -21,7 +21,7 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import google_crc32c
 
@@ -299,14 +299,12 @@ class StreamingCrc:
 # -- one pass --------------------------------------------------------------------------------------
 
 
-def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK,
-                     each: Callable[[int, bytes], None] | None = None) -> tuple[int, bytes]:
+def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes]:
     """One pass over the first `size` bytes of `fd`: (whole crc, packed block crcs).
 
     Runs in a worker thread. A file shorter than `size` is checksummed as far as it
     goes. Holes are never read: a block tmpfs holds no data for (lseek SEEK_DATA)
     gets the crc of zeros directly, so a sparse file costs what its data costs.
-    `each(offset, bytes)` is called with every block read, while it is at hand.
     """
     crcs: list[int] = []
     end = min(size, os.fstat(fd).st_size)
@@ -334,8 +332,6 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK,
         if not chunk:
             break
         crcs.append(google_crc32c.value(chunk))
-        if each is not None:
-            each(off, chunk)
         off += len(chunk)
         if len(chunk) < want:
             break  # EOF inside the block: it is the last, partial one

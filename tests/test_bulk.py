@@ -400,32 +400,6 @@ def test_replication_over_the_data_channel(make_cluster):
         assert ch["handshakes_refused"] == ch["requests_refused"] == 0, ch
 
 
-@pytest.mark.parametrize("data_path", ["passthrough", "fuse"])
-def test_pushes_send_the_digests_the_seal_pass_took(make_cluster, data_path):
-    """A file written through passthrough is checksummed by one pass at its seal; that
-    pass also takes its blocks' digests, so each push sends them without reading the
-    file again (block_digest_hits). Through the daemon, in order, no pass is made: the
-    first push reads each block for its digest (misses), the second finds them."""
-    c = make_cluster(3, replicas=2)
-    a = c["a"]
-    knows_data_ports(a)
-    data = blob(13, 2 * BLOCK + 77)
-    write(a, "d/f", data)
-    wait_until(lambda: a.state("d/f")["replicas"] == 2, 30, what="2 replicas")
-    for name in ("b", "c"):
-        assert held_by(c[name], crc_of(data), len(data)), name
-        assert (c[name].path / "d/f").read_bytes() == data
-    ch = pstatus(a)["data_channel"]
-    passes = a.status()["seal_full_passes"]
-    if data_path == "passthrough":
-        assert passes == 1
-        assert (ch["block_digest_hits"], ch["block_digest_misses"]) == (6, 0), ch
-    else:
-        assert passes == 0
-        assert ch["block_digest_hits"] + ch["block_digest_misses"] == 6, ch
-        assert ch["block_digest_misses"] >= 3, ch
-
-
 def holders_and_reader(c: PeerCluster, rel: str) -> tuple[list[str], str]:
     """The hosts holding a's file (a and its replica's host) and the one that does not."""
     st = wait_until(lambda: (s := c["a"].state(rel))["replicas"] == 1 and s, 30,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import time
 
 import google_crc32c
@@ -224,29 +223,8 @@ def test_block_crcs_of_fd(tmp_path, size: int) -> None:
         assert crc32c_of_fd(fd, size) == crc(data)
         # Shorter than claimed: checksummed as far as the file goes.
         assert block_crcs_of_fd(fd, size + 100, SMALL) == (crc(data), ref_blocks(data, SMALL))
-        # Every block read is handed on once, whole, with its offset (the seal's digests).
-        seen: list[tuple[int, bytes]] = []
-        block_crcs_of_fd(fd, size, SMALL, lambda off, b: seen.append((off, b)))
-        assert [off for off, _ in seen] == list(range(0, size, SMALL))
-        assert b"".join(b for _, b in seen) == data
     finally:
         os.close(fd)
-
-
-def test_block_crcs_of_fd_hands_on_no_hole() -> None:
-    """A block tmpfs (the RAM tier) holds no data for is not read, so not handed on:
-    its digest is taken when it is first sent."""
-    with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
-        f.truncate(3 * BLOCK)
-        f.seek(BLOCK + 5)
-        f.write(b"x")
-        f.flush()
-        seen: list[tuple[int, int]] = []
-        got = block_crcs_of_fd(f.fileno(), 3 * BLOCK, BLOCK,
-                               lambda off, b: seen.append((off, len(b))))
-        data = bytes(BLOCK + 5) + b"x" + bytes(2 * BLOCK - 6)
-    assert got == (crc(data), ref_blocks(data, BLOCK))
-    assert seen == [(BLOCK, BLOCK)]
 
 
 # -- verify_range ----------------------------------------------------------------------------------

@@ -16,14 +16,12 @@ import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from mtcfs.checksums import BLOCK, StreamingCrc, block_crcs_of_fd, format_crc
+from mtcfs.checksums import StreamingCrc, block_crcs_of_fd, format_crc
 from mtcfs.events import Listener
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, ROOT, SEALING, Inode, Namespace
@@ -94,19 +92,6 @@ class Visibility(Protocol):
         ...
 
 
-class BlockDigests(Protocol):
-    """Where the seal's pass leaves the BLAKE3 digests of the blocks it read: the
-    replicas' sender MACs each block with its digest, so its pushes need not read the
-    file once more (mtcfs.peer.bulk.BlockHashes)."""
-
-    def digest(self, data: bytes) -> bytes:
-        """A block's digest (in the pass's worker thread)."""
-        ...
-
-    def put(self, guid: str, version: int, offset: int, length: int, digest: bytes) -> None:
-        ...
-
-
 class LocalOnly:
     """No peers: every change is visible everywhere at once."""
 
@@ -148,7 +133,7 @@ class Filesystem(Listener):
                  space: SpaceManager, durability: Durability, passthrough: Passthrough, *,
                  node_id: str, control_socket: str, rules: StepRules | None = None,
                  visibility: Visibility | None = None, visibility_mode: str = "fsync",
-                 durable_name: str = "durable", digests: BlockDigests | None = None) -> None:
+                 durable_name: str = "durable") -> None:
         self.ns = ns
         self.ram = ram
         self.copies = copies
@@ -168,8 +153,6 @@ class Filesystem(Listener):
         self.visibility_mode = visibility_mode
         # The durable tier's name in `tiers` of user.mtcfs.state ("gcs", "file").
         self.durable_name = durable_name
-        # With replicas to send: the seal's pass also takes the blocks' digests.
-        self.digests = digests
         # A writer is opened with passthrough only while the RAM tier has this much
         # room (its writes cannot be made to wait); below it, writes pass the daemon,
         # which makes them wait for room as eviction frees it.
@@ -905,19 +888,14 @@ class Filesystem(Listener):
                 pass
         stream = self._crc_for(node)
         crc, blocks = stream.result(node.size), stream.blocks(node.size)
-        digests: list[tuple[int, int, bytes]] = []
         while crc is None or blocks is None:
             # Written out of order: one pass over the data, off the event loop.
             seq, size = node.wseq, node.size
             self.stats.seal_full_passes += 1
             fd = self.ram.acquire(node.ino)
             self._sealing[node.ino] += 1
-            digests = []
-            each = (None if self.digests is None
-                    else partial(_take_digest, digests, self.digests.digest))
             try:
-                crc, blocks = await trio.to_thread.run_sync(block_crcs_of_fd, fd, size,
-                                                            BLOCK, each)
+                crc, blocks = await trio.to_thread.run_sync(block_crcs_of_fd, fd, size)
             finally:
                 self._sealing[node.ino] -= 1
                 if not self._sealing[node.ino]:
@@ -932,15 +910,11 @@ class Filesystem(Listener):
                 # now: no release will come to seal it, so take it again.
                 stream = self._crc_for(node)
                 crc, blocks = stream.result(node.size), stream.blocks(node.size)
-                digests = []  # of bytes since changed
                 if crc is None or blocks is None:
                     continue
                 break
             self._crc[node.ino] = StreamingCrc(crc, node.size, blocks=blocks)
         self._seal_now(node, crc, blocks)
-        if self.digests is not None:
-            for off, n, digest in digests:  # (of this version's bytes: the pass was clean)
-                self.digests.put(node.guid, node.version, off, n, digest)
         if stamp is not None and stamp[0] == node.size:
             self._seal_stamp[node.ino] = stamp
         else:
@@ -1090,8 +1064,3 @@ class Filesystem(Listener):
             "seals": self.stats.seals,
             "seal_full_passes": self.stats.seal_full_passes,
         }
-
-
-def _take_digest(out: list[tuple[int, int, bytes]], digest: Callable[[bytes], bytes],
-                 off: int, data: bytes) -> None:
-    out.append((off, len(data), digest(data)))

@@ -28,10 +28,9 @@ Security is no weaker than the gRPC calls' token:
   private file a download fills, whose readers wait for verified ranges.
 - Because the MAC covers a digest, a host that knows a block's digest already
   does not read the block to send it: `BlockHashes` remembers the digests of
-  blocks this host sent or verified (the writer's seal pass takes them as it
-  reads each block for its crc32c, or its first push does; the replica's
-  holder verifies them), so a push of a sealed file and serving a restore are
-  a bare sendfile(). A remembered digest that no longer matches the bytes (a file
+  blocks this host sent or verified (a push computes them once on the writer
+  and verifies them on the replica's holder), so serving a restore is a bare
+  sendfile(). A remembered digest that no longer matches the bytes (a file
   changed in place) fails the receiver's MAC check: never served as good.
 - With --tls-* the connection is TLS (the ssl module), like the gRPC channel.
 
@@ -132,7 +131,7 @@ class Keys:
 
 
 class BlockHashes:
-    """BLAKE3 digests of blocks this host sealed, sent or verified, by (file id, version) and
+    """BLAKE3 digests of blocks this host sent or verified, by (file id, version) and
     (offset, length): what lets a sender skip reading a block to MAC it. Bounded
     (least recently used files go first); shared by the server and the pool's
     threads."""
@@ -166,10 +165,6 @@ class BlockHashes:
             while self._count > self.max_blocks and len(self._files) > 1:
                 _, gone = self._files.popitem(last=False)
                 self._count -= len(gone)
-
-    @staticmethod
-    def digest(data: bytes) -> bytes:
-        return digest_of(data)
 
     def status(self) -> dict[str, int]:
         return {"block_digests_kept": self._count, "block_digest_hits": self.hits,
