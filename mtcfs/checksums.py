@@ -23,6 +23,7 @@ import struct
 import threading
 from collections.abc import Sequence
 
+import crc32c
 import google_crc32c
 
 BLOCK = 4 << 20  # block size of per-block checksums
@@ -310,6 +311,10 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes
     end = min(size, os.fstat(fd).st_size)
     off = 0
     data = _next_data(fd, 0, end)  # the next offset >= off that may hold data
+    # One buffer for the pass, read into (a new bytes object per block, as
+    # google-crc32c needs, cost 15-25 % more: the fsync of a file written
+    # through passthrough waits for this pass).
+    buf = memoryview(bytearray(min(block, end))) if end else memoryview(b"")
     while off < end:
         want = min(block, end - off)
         if data >= off + want:
@@ -318,22 +323,17 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes
             if data < off + block:
                 data = _next_data(fd, off, end)
             continue
-        chunk = os.pread(fd, want, off)
-        if 0 < len(chunk) < want:  # short read: complete the block
-            parts = [chunk]
-            got = len(chunk)
-            while got < want:
-                more = os.pread(fd, want - got, off + got)
-                if not more:
-                    break
-                parts.append(more)
-                got += len(more)
-            chunk = b"".join(parts)
-        if not chunk:
+        got = 0
+        while got < want:  # a short read: complete the block
+            n = os.preadv(fd, [buf[got:want]], off + got)
+            if not n:
+                break
+            got += n
+        if not got:
             break
-        crcs.append(google_crc32c.value(chunk))
-        off += len(chunk)
-        if len(chunk) < want:
+        crcs.append(crc32c.crc32c(buf[:got]))
+        off += got
+        if got < want:
             break  # EOF inside the block: it is the last, partial one
         if data < off:
             data = _next_data(fd, off, end)
