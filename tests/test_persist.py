@@ -14,6 +14,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -443,6 +444,31 @@ def test_on_close_marker_waits_for_the_shards(make_mount, bucket: Bucket) -> Non
     assert any(early), "the shards were persisted before the marker was written"
     assert_marker_never_early(w.listings, shards, "400/.metadata")
     bucket.assert_holds({**shards, "400/.metadata": meta})
+
+
+def test_a_held_marker_says_what_it_waits_for(make_mount, gcs_server: GcsServer,
+                                              gcs_bucket: str) -> None:
+    """While a commit marker waits for a shard to be persisted, `mtcfs status` names the
+    marker and the file it waits for; once the shard is in, the marker follows and the
+    list is empty. The GCS server is frozen (SIGSTOP) so that the wait is certain."""
+    bucket = gs_bucket(gcs_server, gcs_bucket)
+    m = make_mount(extra=bucket.mount_args("on-close"))
+    assert gcs_server.proc is not None
+    gcs_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        shard = write(m.path / "500/shard-0", os.urandom(MiB))
+        meta = write(m.path / "500/.metadata", b"the commit")
+        held = wait_until(lambda: next((h for h in dstatus(m)["markers_held"]
+                                        if h["path"] == "500/.metadata"), None),
+                          timeout=20, what="the marker listed as held")
+        assert held["why"].startswith("waits for 500/shard-0 (written by "), held
+        assert held["why"].endswith(") to be persisted"), held
+        assert held["seconds"] >= 0
+    finally:
+        gcs_server.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: bucket.has({"500/shard-0": shard, "500/.metadata": meta}), timeout=120,
+               what="the shard, then the marker")
+    wait_until(lambda: dstatus(m)["markers_held"] == [], what="no marker held")
 
 
 # -- 3. renames and deletes ----------------------------------------------------------------------

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 30.0
+HELD_LOG = 30.0  # a commit marker held this long is logged, with why
 REQUESTED_KEY = "persist_requested"  # metadata store: inos `mtcfs persist` asked for
 COPIES_KEY = "pending_copies"  # metadata store: server-side copies still to do
 LINKS_KEY = "link_objects"  # metadata store: objects of hard links' further names
@@ -134,6 +135,9 @@ class Uploader(Listener):
         self.concurrency = concurrency
         self.hosts_accounted = hosts_accounted
         self._markers_held = False  # a marker waits for a host to come back or be gone
+        # Commit markers waiting to go: ino -> (since, why), for the log and the status.
+        self._held: dict[int, tuple[float, str]] = {}
+        self._logged: dict[int, float] = {}  # held markers: when last logged
         self.queue: dict[int, Inode] = {}  # insertion-ordered: FIFO
         self.inflight: dict[int, Inode] = {}
         self.failed: dict[int, str] = {}  # conflicts that need a person
@@ -470,6 +474,11 @@ class Uploader(Listener):
             "last_error_age": (round(time.time() - self.stats.last_error_time, 1)
                                if self.stats.last_error else None),
             "retrying_in": round(self._backoff, 1) if self._backoff else 0,
+            "markers_held": [
+                {"path": self.ns.path_of(n), "seconds": round(time.monotonic() - since, 1),
+                 "why": why}
+                for ino, (since, why) in self._held.items()
+                if (n := self.queue.get(ino)) is not None and n.linked],
         }
 
     def idle(self) -> bool:
@@ -518,9 +527,14 @@ class Uploader(Listener):
                 self.commit_step(newest)
 
     def _next_job(self) -> Inode | None:
+        for ino in [i for i in self._held if i not in self.queue]:  # gone from the queue
+            del self._held[ino]
+            self._logged.pop(ino, None)
         for ino, node in list(self.queue.items()):
             if not node.linked or node.state != CLOSED or node.persisted:
                 del self.queue[ino]
+                self._held.pop(ino, None)
+                self._logged.pop(ino, None)
                 continue
             if not node.has_data:
                 # Ours but not here (this host replaced its lost predecessor, whose
@@ -539,13 +553,21 @@ class Uploader(Listener):
                 continue  # queued again while uploading: once that upload ends
             if self._copy_pending(node) or node.copy_grace > time.monotonic():
                 continue  # a server-side copy brings it under its new name
-            if self.rules.is_marker_name(node.name) and not self._step_ready(node):
-                continue
-            if self.rules.is_marker_name(node.name) and not self.hosts_accounted():
-                # A host cut off for a moment may have written files of this step that
-                # no host here has seen: they would be missing beside the marker.
-                self._markers_held = True
-                continue
+            if self.rules.is_marker_name(node.name):
+                waiting = self._unpersisted_in_step(node)
+                if waiting is not None:
+                    self._hold(node, f"waits for {self.ns.path_of(waiting)} (written by "
+                               f"{waiting.author or 'this host'}) to be persisted")
+                    continue
+                if not self.hosts_accounted():
+                    # A host cut off for a moment may have written files of this step
+                    # that no host here has seen: they would be missing beside the marker.
+                    self._markers_held = True
+                    self._hold(node, "waits for every host to be alive and caught up with "
+                               "(or gone for good)")
+                    continue
+                self._held.pop(ino, None)
+                self._logged.pop(ino, None)
             if (self.deletes or self._deleting or self._uploading) and self._delete_pending(node):
                 # The old object at this key (a file replaced by rename, or removed
                 # and created again) goes first; the new one is put "if absent".
@@ -563,12 +585,29 @@ class Uploader(Listener):
 
     def _step_ready(self, marker: Inode) -> bool:
         """Every non-marker file in the marker's directory tree is persisted."""
+        return self._unpersisted_in_step(marker) is None
+
+    def _unpersisted_in_step(self, marker: Inode) -> Inode | None:
+        """A file the marker waits for (the first found): one in its directory tree not
+        persisted yet; None when there is none."""
         d = self.ns.inodes[marker.parent]
         # Files under temporary names are no part of the step (and are never uploaded
         # by the on-close and step policies): they must not hold the marker back.
-        return all((f.persisted and self.links_in_step(f)) or self.rules.is_marker_name(f.name)
-                   or self._temporary_below(f, d)
-                   for f in files_under(self.ns, d) if f.linked)
+        return next((f for f in files_under(self.ns, d)
+                     if f.linked and not ((f.persisted and self.links_in_step(f))
+                                          or self.rules.is_marker_name(f.name)
+                                          or self._temporary_below(f, d))), None)
+
+    def _hold(self, marker: Inode, why: str) -> None:
+        """A commit marker waits: said in `status`, and in the log once it has waited
+        HELD_LOG seconds (then at most every HELD_LOG seconds)."""
+        now = time.monotonic()
+        since, _ = self._held.get(marker.ino, (now, ""))
+        self._held[marker.ino] = (since, why)
+        if now - since >= HELD_LOG and now - self._logged.get(marker.ino, -math.inf) >= HELD_LOG:
+            log.warning("commit marker %s %s (for %.0f s)", self.ns.path_of(marker), why,
+                        now - since)
+            self._logged[marker.ino] = now
 
     def _temporary_below(self, f: Inode, d: Inode) -> bool:
         """True if `f` or a directory between it and `d` has a temporary name."""
@@ -605,8 +644,11 @@ class Uploader(Listener):
             self._markers_held = False
             node = self._next_job()
             if node is None:
-                # A held marker is looked at again each second (a host's grace ends).
-                with trio.move_on_after(1.0 if self._markers_held else math.inf):
+                # A marker held for a host is looked at again each second (a host's
+                # grace ends); one waiting for files, every HELD_LOG seconds too (said
+                # in the log if it still waits).
+                with trio.move_on_after(1.0 if self._markers_held
+                                        else HELD_LOG if self._held else math.inf):
                     await self._lot.park()
                 continue
             self.inflight[node.ino] = node
