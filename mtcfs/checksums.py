@@ -314,7 +314,7 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes
     # One buffer for the pass, read into (a new bytes object per block, as
     # google-crc32c needs, cost 15-25 % more: the fsync of a file written
     # through passthrough waits for this pass).
-    buf = memoryview(bytearray(min(block, end))) if end else memoryview(b"")
+    buf = memoryview(bytearray(min(block, end)))
     while off < end:
         want = min(block, end - off)
         if data >= off + want:

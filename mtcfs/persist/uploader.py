@@ -533,8 +533,6 @@ class Uploader(Listener):
         for ino, node in list(self.queue.items()):
             if not node.linked or node.state != CLOSED or node.persisted:
                 del self.queue[ino]
-                self._held.pop(ino, None)
-                self._logged.pop(ino, None)
                 continue
             if not node.has_data:
                 # Ours but not here (this host replaced its lost predecessor, whose
