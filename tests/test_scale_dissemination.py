@@ -6,6 +6,8 @@ and a host away for long catches up with one snapshot, nothing queued for it."""
 
 from __future__ import annotations
 
+import tempfile
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +27,8 @@ def test_ranges_cover_the_ring_once() -> None:
     assert [x for x in ids if fanout.in_range(x, "n7", "n2")] == ["n0", "n1", "n8", "n9"]
 
 
-def test_a_batch_is_complete_once_every_live_host_has_it() -> None:
-    net = simnet.cluster(200, seed=2, real_index=["h0000", "h0100"])
+def test_a_batch_is_complete_once_every_live_host_has_it(tmp_path) -> None:
+    net = simnet.cluster(200, seed=2, real_index=["h0000", "h0100"], root=str(tmp_path))
     net.loop.run_until(1.0)
     w = net.hosts["h0042"]
     seq = w.publish(batch("h0042", simnet.entry("d1", "root", "step_1", 5, "h0042",
@@ -69,7 +71,13 @@ def test_every_host_converges_to_the_same_index(writes, loss, latency, seed) -> 
     over a network that drops and reorders (latency up to 300 ms against a 0.25 s
     retry): every host ends with the same stamps, the newest of each entry; the
     real index on one host agrees with the compact ones."""
-    net = simnet.cluster(12, seed=seed, loss=loss, real_index=["h0003"])
+    with tempfile.TemporaryDirectory(prefix="mtcfs-sim-") as root:
+        _converge(simnet.cluster(12, seed=seed, loss=loss, real_index=["h0003"], root=root),
+                  writes, latency)
+
+
+def _converge(net: simnet.Net, writes: list[tuple[int, int, float]],
+              latency: tuple[float, float]) -> None:
     net.latency = latency
     ids = list(net.hosts)
     for i, (host, guid, at) in enumerate(writes):

@@ -345,13 +345,18 @@ class Gcs:
 
     def start(self, timeout: float = 30.0) -> None:
         self._drop_partial_files()
+        # Its temporary files (left behind when it is killed mid-write) stay in the run's
+        # directory, not in /tmp.
+        tmp = self.root / "tmp"
+        tmp.mkdir(exist_ok=True)
         with open(self.run.dir / "logs" / "gcs.log", "ab") as log:
             self.proc = self.host.popen(
                 [str(fake_gcs_binary()), "-scheme", "http", "-backend", "filesystem",
                  "-filesystem-root", str(self.root / "storage"), "-host", self.host.addr,
                  "-port", str(GCS_PORT), "-external-url", self.url,
                  "-data", str(self.root / "seed"), "-log-level", "warn"],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                env={**os.environ, "TMPDIR": str(tmp)})
         probe = ("import sys, urllib.request\n"
                  "urllib.request.urlopen(sys.argv[1], timeout=1).read()\n")
         deadline = time.monotonic() + timeout

@@ -323,9 +323,11 @@ def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[st
     ids = node_ids(n)
     ring = placement.ring([(i, "") for i in ids])
     real = set(real_index)
-    root = root or tempfile.mkdtemp(prefix="mtcfs-sim-")
+    if real and root is None:  # (the caller removes it; tests pass a temporary one)
+        root = tempfile.mkdtemp(prefix="mtcfs-sim-")
     for i in ids:
-        store: Store = IndexStore(i, os.path.join(root, i)) if i in real else CompactStore()
+        store: Store = (IndexStore(i, os.path.join(root, i)) if i in real and root
+                        else CompactStore())
         net.hosts[i] = SimHost(i, net, store, ids, ring, replicas=replicas, config=config,
                                fanout_degree=fanout_degree)
     return net
