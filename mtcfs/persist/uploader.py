@@ -135,9 +135,9 @@ class Uploader(Listener):
         self.concurrency = concurrency
         self.hosts_accounted = hosts_accounted
         self._markers_held = False  # a marker waits for a host to come back or be gone
-        # Commit markers waiting to go: ino -> (since, why), for the log and the status.
-        self._held: dict[int, tuple[float, str]] = {}
-        self._logged: dict[int, float] = {}  # held markers: when last logged
+        # Commit markers waiting to go: ino -> (since, why, last logged), for the log and
+        # the status.
+        self._held: dict[int, tuple[float, str, float]] = {}
         self.queue: dict[int, Inode] = {}  # insertion-ordered: FIFO
         self.inflight: dict[int, Inode] = {}
         self.failed: dict[int, str] = {}  # conflicts that need a person
@@ -477,7 +477,7 @@ class Uploader(Listener):
             "markers_held": [
                 {"path": self.ns.path_of(n), "seconds": round(time.monotonic() - since, 1),
                  "why": why}
-                for ino, (since, why) in self._held.items()
+                for ino, (since, why, _) in self._held.items()
                 if (n := self.queue.get(ino)) is not None and n.linked],
         }
 
@@ -529,7 +529,6 @@ class Uploader(Listener):
     def _next_job(self) -> Inode | None:
         for ino in [i for i in self._held if i not in self.queue]:  # gone from the queue
             del self._held[ino]
-            self._logged.pop(ino, None)
         for ino, node in list(self.queue.items()):
             if not node.linked or node.state != CLOSED or node.persisted:
                 del self.queue[ino]
@@ -565,7 +564,6 @@ class Uploader(Listener):
                                "(or gone for good)")
                     continue
                 self._held.pop(ino, None)
-                self._logged.pop(ino, None)
             if (self.deletes or self._deleting or self._uploading) and self._delete_pending(node):
                 # The old object at this key (a file replaced by rename, or removed
                 # and created again) goes first; the new one is put "if absent".
@@ -600,12 +598,12 @@ class Uploader(Listener):
         """A commit marker waits: said in `status`, and in the log once it has waited
         HELD_LOG seconds (then at most every HELD_LOG seconds)."""
         now = time.monotonic()
-        since, _ = self._held.get(marker.ino, (now, ""))
-        self._held[marker.ino] = (since, why)
-        if now - since >= HELD_LOG and now - self._logged.get(marker.ino, -math.inf) >= HELD_LOG:
+        since, _, logged = self._held.get(marker.ino, (now, "", -math.inf))
+        if now - since >= HELD_LOG and now - logged >= HELD_LOG:
             log.warning("commit marker %s %s (for %.0f s)", self.ns.path_of(marker), why,
                         now - since)
-            self._logged[marker.ino] = now
+            logged = now
+        self._held[marker.ino] = (since, why, logged)
 
     def _temporary_below(self, f: Inode, d: Inode) -> bool:
         """True if `f` or a directory between it and `d` has a temporary name."""

@@ -326,7 +326,7 @@ def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[st
     if real and root is None:  # (the caller removes it; tests pass a temporary one)
         root = tempfile.mkdtemp(prefix="mtcfs-sim-")
     for i in ids:
-        store: Store = (IndexStore(i, os.path.join(root, i)) if i in real and root
+        store: Store = (IndexStore(i, os.path.join(root or "", i)) if i in real
                         else CompactStore())
         net.hosts[i] = SimHost(i, net, store, ids, ring, replicas=replicas, config=config,
                                fanout_degree=fanout_degree)
