@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test test-nofuse image soak-orbax chaos bench lint proto clean
+.PHONY: bootstrap demo test test-nofuse image soak-orbax chaos bench lint proto clean fuzz
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -16,7 +16,7 @@ demo: bootstrap
 TEST_WORKERS ?= 4
 
 test: bootstrap
-	$(PY) -m ruff check mtcfs tests bench
+	$(PY) -m ruff check mtcfs tests bench fuzz
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 \
 		-m 'not image and not chaos and not serial' tests
 	$(PY) -m pytest -q -m 'serial and not image and not chaos' tests
@@ -55,8 +55,27 @@ chaos: bootstrap
 bench: bootstrap
 	$(PY) bench/run.py
 
+# The peer protocols fuzzed with coverage guidance (atheris): gRPC calls with and
+# without the token, the index's apply, membership datagrams, the data channel's
+# handshake and frames, each FUZZ_SECONDS against an in-process daemon (fuzz/).
+# Seeds: fuzz/corpus/<target>; new inputs and any crash-* go to FUZZ_WORK/<target>.
+FUZZ_SECONDS ?= 300
+FUZZ_TARGETS ?= grpc grpc-token index gossip bulk bulk-encrypted
+FUZZ_WORK ?= /tmp/mtcfs-fuzz
+
+fuzz: bootstrap
+	@set -e; for t in $(FUZZ_TARGETS); do mkdir -p $(FUZZ_WORK)/$$t; \
+		rc=0; $(PY) -m fuzz.run $$t -max_total_time=$(FUZZ_SECONDS) \
+			-artifact_prefix=$(FUZZ_WORK)/$$t/ $(FUZZ_WORK)/$$t fuzz/corpus/$$t \
+			> $(FUZZ_WORK)/$$t.log 2>&1 || rc=$$?; \
+		runs=$$(grep -o 'Done [0-9]* runs in [0-9]* second' $(FUZZ_WORK)/$$t.log || true); \
+		found=$$(ls $(FUZZ_WORK)/$$t | grep -c '^\(crash\|timeout\|oom\)-' || true); \
+		echo "fuzz $$t: $$runs(s), $$found finding(s) (log: $(FUZZ_WORK)/$$t.log)"; \
+		test $$rc = 0 || { echo "fuzz $$t: failed, see its log" >&2; exit 1; }; \
+	done
+
 lint: bootstrap
-	$(PY) -m ruff check mtcfs tests bench
+	$(PY) -m ruff check mtcfs tests bench fuzz
 	$(PY) -m ruff format --check mtcfs tests bench
 
 # The peer protocol's and the CSI subset's Python code is generated from proto/

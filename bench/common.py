@@ -219,8 +219,13 @@ class Scratch:
         return d
 
     def mount(self, name: str, ram_size: str, args: Sequence[str] = ()) -> Mount:
-        """A started mtcfs mount with a fresh RAM dir; `args`: more mount options."""
+        """A started mtcfs mount with a fresh RAM dir; `args`: more mount options.
+        Huge pages always (unless `args` say otherwise): the benchmarks warm memory
+        before each timed part (see warm), where --huge-pages auto's probe would
+        see the cold first touch of returned memory and turn them off."""
         ram_dir = self.shm / f"ram-{name}-{uuid.uuid4().hex[:6]}"
+        if "--huge-pages" not in args:
+            args = [*args, "--huge-pages", "always"]
         m = Mount(self.tmp / f"mnt-{name}", ram_dir, ram_size, args)
         self.mounts.append(m)
         return m.start()
@@ -296,6 +301,22 @@ class Scratch:
         finally:
             os.close(fd)
             (where / "fill").unlink(missing_ok=True)
+
+    def huge_dir(self, name: str) -> Path:
+        """A directory on a tmpfs of its own with huge pages where the file covers
+        them (huge=within_size, as the RAM tier): the strongest reference for bytes
+        that land in RAM. Without huge pages for tmpfs here, a plain one."""
+        where = self.tmp / f"huge-{name}"
+        if mount_entry(str(where)) is None:
+            where.mkdir(exist_ok=True)
+            for opts in ("huge=within_size,size=50%", "size=50%"):
+                if run(["mount", "-t", "tmpfs", "-o", opts, f"mtcfs-bench-{name}", str(where)],
+                       check=False).returncode == 0:
+                    break
+            else:
+                raise BenchError(f"cannot mount a tmpfs at {where}")
+            self.defer(lambda: force_unmount(where))
+        return where
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run `fn` at close(), after the mtcfs mounts are gone (last deferred

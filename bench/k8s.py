@@ -19,6 +19,7 @@ from typing import Any
 
 from common import Context, Row, err
 
+from mtcfs.k8s import objects as o
 from mtcfs.k8s.controller import CPCS, Controller
 from mtcfs.k8s.kube import Kube, api_client_for
 
@@ -50,6 +51,8 @@ def _passes(reps: int, cpcs: int) -> tuple[list[float], list[float]]:
     change: list[float] = []
     noop: list[float] = []
     with fake_api() as api:
+        # What deploy/base installs: the Secret the generated peer tokens go in.
+        api.put("", "secrets", {"metadata": {"name": o.TOKENS_SECRET, "namespace": NS}})
         kube = Kube(api_client_for(api.url))
         ctl = Controller(kube, NS, "mtcfs:bench")
         for i in range(cpcs):
@@ -71,6 +74,8 @@ def _passes(reps: int, cpcs: int) -> tuple[list[float], list[float]]:
 def _through_watch(reps: int) -> list[float]:
     out: list[float] = []
     with fake_api() as api:
+        # What deploy/base installs: the Secret the generated peer tokens go in.
+        api.put("", "secrets", {"metadata": {"name": o.TOKENS_SECRET, "namespace": NS}})
         kube = Kube(api_client_for(api.url))
         ctl = Controller(Kube(api_client_for(api.url)), NS, "mtcfs:bench")
         _cpc(kube, "pool-0")

@@ -57,10 +57,11 @@ import trio
 
 from mtcfs.assembly import Mount, build, open_ram
 from mtcfs.config import build_options
+from mtcfs.core.namespace import ROOT
+from mtcfs.core.store import MetaStore
+from mtcfs.core.versions import Versions
 from mtcfs.fs.kernel import KernelCache
-from mtcfs.fs.namespace import CLOSED, ROOT
 from mtcfs.fs.passthrough import Passthrough
-from mtcfs.meta.store import MetaStore
 from mtcfs.peer import membership, wire
 
 
@@ -123,7 +124,7 @@ class Node:
 
                 p.stub.Broadcast = wrapped
             return
-        send = self.tier._send_tree
+        send = self.tier.broadcaster._send  # one tree message's gRPC call
         me = self.tier.members.me
 
         def counted(addr: str, msg: Any, attempt: int = 0) -> None:
@@ -164,8 +165,8 @@ async def _make(node: Node, req: dict[str, Any]) -> None:
             await trio.sleep(0)
         for f in range(int(req["files"])):
             fnode = ns.new_inode(dnode, f"f{f:04d}.distcp".encode(), stat.S_IFREG | 0o644, 0, 0)
-            fnode.state, fnode.version, fnode.size = CLOSED, 1, 1 << 20
-            fnode.crc32c, fnode.block_crcs = 0x12345678, b"\x78\x56\x34\x12"
+            # A sealed version (its content made up: nobody reads it).
+            Versions.adopted(fnode, 1, 1 << 20, 0x12345678, b"\x78\x56\x34\x12", fnode.author)
             fnode.holders = [node.tier.node_id]
             index.changed(fnode)
             if trickle:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/run.py [--reps N] [--size SIZE] [--only NAME[,NAME]] [--json]
                                   [--steps N] [--step-interval SECONDS]   (lifecycle group)
-                                  [--hosts N[,N]]                          (scale group)
+                                  [--hosts N[,N]]                      (scale, idle groups)
 
 Each figure is printed beside its reference measured in the same run, with
 the ratio and its target (docs/benchmarks.md); the results are also
@@ -29,8 +29,10 @@ from typing import Any
 import bulk
 import commit
 import datapath
+import dcp
 import durable
 import fsync
+import idle
 import k8s
 import lifecycle
 import netns_restore
@@ -87,6 +89,16 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "the bulk data channel: replication push, close->replica, restore from 1 holder and "
         "striped over 2, vs a raw sendfile() stream between two Python processes",
     ),
+    "dcp": (
+        dcp.group,
+        "torch DCP: a save of 4 ranks over 2 peered hosts and a resharded load on a third, "
+        "empty host, vs the same ranks on one huge-page tmpfs directory",
+    ),
+    "budget": (
+        bulk.budget,
+        "the data channel's CPU per GiB, step by step (read, AES-GMAC, AES-GCM, crc32c, "
+        "write into a huge-page tmpfs), in-process on 4 MiB buffers",
+    ),
     "netns": (
         netns_restore.group,
         "restores in network namespaces onto an empty host from 1, 2 and 3 holders, over "
@@ -132,6 +144,12 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "tree code, virtual time): convergence, commit, detection, join, CPU and bytes per "
         "host; the last line printed is the figures as JSON",
     ),
+    "idle": (
+        idle.group,
+        "real daemons peered on loopback doing nothing: CPU per daemon (utime+stime) over "
+        "60 s beside the 0.3 % goal, for --hosts daemons [4,16]; at the largest, 5 killed "
+        "at once: time until every survivor has them dead",
+    ),
 }
 
 RESULTS = BENCH_DIR / "results" / "latest.json"
@@ -160,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=scale.parse_hosts,
         default=scale.parse_hosts("100,300,1000"),
         metavar="N[,N]",
-        help="scale: simulated hosts, a comma list [100,300,1000]",
+        help="scale: simulated hosts, a comma list [100,300,1000]; idle: real daemons [4,16]",
     )
     p.add_argument("--only", metavar="NAME[,NAME]", help="run only these groups")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

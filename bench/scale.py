@@ -277,6 +277,11 @@ def _serve_snapshot(conn: Any, entries: int, root: str) -> None:
     src.close()
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def snapshot_join(entries: int, root: str) -> dict[str, float]:
     """A joiner pulls one snapshot of `entries` entries from a source host and applies
     each piece as it arrives (in slices of MAX_BATCH, as PeerTier._catch_up does) to
@@ -291,6 +296,7 @@ def snapshot_join(entries: int, root: str) -> dict[str, float]:
     try:
         if ours.recv() != "ready":
             raise RuntimeError("the snapshot source did not start")
+        rss0 = _rss()
         dst = simnet.IndexStore("joiner", os.path.join(root, "snap-joiner"))
         size = pieces = 0
         first = 0.0
@@ -308,6 +314,10 @@ def snapshot_join(entries: int, root: str) -> dict[str, float]:
                 for i in range(0, len(got), MAX_BATCH):
                     dst.index.apply(got[i:i + MAX_BATCH])
         t1, c1 = time.perf_counter(), time.process_time()
+        # The index's memory: the process's growth (the namespace and the index in
+        # memory) and its metadata store (SQLite in the RAM dir: tmpfs pages).
+        rss = _rss() - rss0
+        db = sum(f.stat().st_size for f in Path(root, "snap-joiner").iterdir())
         serve_cpu, digest = ours.recv()
         proc.join(timeout=30)
         ok = dst.digest() == digest
@@ -316,7 +326,10 @@ def snapshot_join(entries: int, root: str) -> dict[str, float]:
         if proc.is_alive():
             proc.kill()
     assert ok, "the joiner's index differs from its source's"
+    per = 100_000 / max(1, len(digest))
     return {"snapshot_entries": len(digest), "snapshot_bytes": size,
+            "index_rss_bytes_per_100k_entries": round(rss * per),
+            "index_store_bytes_per_100k_entries": round(db * per),
             "snapshot_s": t1 - t0, "snapshot_first_piece_s": first,
             # CPU seconds: the wall-clock figure above swings with the machine's load
             "snapshot_serve_cpu_s": serve_cpu, "snapshot_apply_cpu_s": c1 - c0}

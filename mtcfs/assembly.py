@@ -15,9 +15,14 @@ event listeners, registered here, in one place, in the order they hear events:
     retention    --keep-steps passes
     withdrawal   committed steps that lost a file's last copy
 
-Parts only for features that are configured are None: `uploader` and `listing`
-without --bucket, `peers` without --listen, `retention` without --keep-steps,
-`withdrawal` without peers.
+Parts for features that are not configured are null objects (mtcfs.absent): no
+`uploader` or `listing` without --bucket, no `peers` without --listen, no
+`retention` without --keep-steps, no `withdrawal` without peers; no part asks
+whether another one is there.
+
+`assemble` makes the whole mount the daemon serves (metadata store, RAM tier,
+kernel side, every part); `build` makes the parts over a given store, RAM tier and
+kernel side (what tests/nofuse and the benchmarks call).
 """
 
 from __future__ import annotations
@@ -25,31 +30,50 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from mtcfs import __version__
+from mtcfs.absent import (
+    NoDurable,
+    NoListing,
+    NoPeers,
+    NoRetention,
+    NoUploader,
+    NoWithdrawal,
+)
 from mtcfs.config import MountOptions, read_token
-from mtcfs.events import Events
+from mtcfs.core.copies import Copies
+from mtcfs.core.events import Events
+from mtcfs.core.namespace import Namespace
+from mtcfs.core.retired import RetiredSteps
+from mtcfs.core.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
+from mtcfs.core.store import MetaStore
+from mtcfs.core.versions import Versions
 from mtcfs.fetch import Fetcher
 from mtcfs.fs.filesystem import Filesystem
 from mtcfs.fs.kernel import KernelCache
-from mtcfs.fs.namespace import Namespace
+from mtcfs.fs.names import Names
 from mtcfs.fs.passthrough import Passthrough
 from mtcfs.fs.recovery import recover
+from mtcfs.fs.sealer import Sealer
+from mtcfs.fs.state_view import FileStateView
 from mtcfs.fs.writeclock import WriteClock
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.fs.xattrs import Xattrs
 from mtcfs.lifecycle.durability import Durability
 from mtcfs.lifecycle.lags import Lags
+from mtcfs.lifecycle.replacement import ReplacementRestore
 from mtcfs.lifecycle.retention import Retention
-from mtcfs.lifecycle.retired import RetiredSteps
 from mtcfs.lifecycle.space import SpaceManager
 from mtcfs.lifecycle.withdrawal import Withdrawal
-from mtcfs.meta.store import MetaStore
-from mtcfs.persist.steps import DEFAULT_MARKERS, DEFAULT_TMP_PATTERNS, StepRules
+from mtcfs.persist.attempts import Stats as UploadStats
+from mtcfs.persist.step_report import StepReport
+from mtcfs.tiers.huge_pages import HugePages
 from mtcfs.tiers.ram import RamTier
 
 if TYPE_CHECKING:
@@ -63,7 +87,12 @@ log = logging.getLogger(__name__)
 
 class AssemblyError(Exception):
     """A part could not be set up (bad bucket, bad peer address): the mount fails
-    with this message."""
+    with this message. `mounted_tmpfs`: the RAM tier's tmpfs was mounted by the
+    attempt (the daemon takes it back)."""
+
+    def __init__(self, msg: str, mounted_tmpfs: bool = False) -> None:
+        super().__init__(msg)
+        self.mounted_tmpfs = mounted_tmpfs
 
 
 @dataclass(eq=False)
@@ -81,106 +110,63 @@ class Mount:
     durability: Durability
     lags: Lags
     passthrough: Passthrough
-    uploader: Uploader | None = None
-    listing: BucketListing | None = None
-    peers: PeerTier | None = None
-    retention: Retention | None = None
-    withdrawal: Withdrawal | None = None
+    uploader: Uploader | NoUploader
+    listing: BucketListing | NoListing
+    peers: PeerTier | NoPeers
+    retention: Retention | NoRetention
+    withdrawal: Withdrawal | NoWithdrawal
+    restore: ReplacementRestore
     started: float = field(default_factory=time.time)
-    metrics_url: str | None = None
+
+    @cached_property
+    def step_report(self) -> StepReport:
+        """The steps as `mtcfs steps`, user.mtcfs.state and the status see them."""
+        return StepReport(self.ns, self.fs.rules, self.copies, self.uploader.url,
+                          self.retention, self.withdrawal)
+
+    @property
+    def passthrough_asked(self) -> bool:
+        """The kernel is asked for passthrough at INIT: the RAM tier is on a tmpfs of its
+        own (the kernel's backing files must be there)."""
+        return self.ram.own_tmpfs
+
+    @cached_property
+    def view(self) -> FileStateView:
+        """user.mtcfs.state and the files' status (a step directory's: the step report)."""
+        return FileStateView(self.fs, self.copies, self.space, self.step_report.of,
+                             durable_name=_durable_name(self.uploader.url))
 
     # -- running ---------------------------------------------------------------------
 
     async def start_peers(self, nursery: trio.Nursery) -> None:
         """Before the mount is live: listen, be heard by every peer, pull one caught-up
         peer's snapshot (a new host sees the whole tree at once)."""
-        if self.peers is not None:
-            await self.peers.start(nursery)
+        await self.peers.start(nursery)
+        self.restore.plan_now()
 
     def run_background(self, nursery: trio.Nursery) -> None:
         """The parts' own tasks: fetches, uploads, listing refreshes, retention,
         withdrawal, room kept ahead of passthrough writers, the trash."""
         nursery.start_soon(self.ram.empty_trash)
         nursery.start_soon(self.fetcher.run)
-        if self.uploader is not None and self.listing is not None:
-            nursery.start_soon(self.uploader.run)
-            nursery.start_soon(self.listing.refresh_loop, self.uploader.deletes)
-        if self.retention is not None:
-            nursery.start_soon(self.retention.run)
-        if self.withdrawal is not None:
-            nursery.start_soon(self.withdrawal.run)
+        nursery.start_soon(self.restore.run)
+        nursery.start_soon(self.uploader.run)
+        nursery.start_soon(self.listing.refresh_loop, self.uploader.pending_deletes)
+        nursery.start_soon(self.retention.run)
+        nursery.start_soon(self.withdrawal.run)
         if self.ram.own_tmpfs:
-            nursery.start_soon(self.space.keep_room, self.fs.write_headroom)
+            nursery.start_soon(self.space.keep_room, self.fs.write_headroom,
+                               self.fs.clock.writer_open)
 
     def stop(self) -> None:
         """Stop talking to peers and to the kernel (before the unmount)."""
-        if self.peers is not None:
-            self.peers.stop()
+        self.peers.stop()
         self.kernel.stop()
 
     def close(self) -> None:
         """Release the RAM tier and the metadata store (after the unmount)."""
         self.ram.close()
         self.store.close()
-
-    # -- status ----------------------------------------------------------------------
-
-    def lifecycle_status(self) -> dict[str, object]:
-        r, w = self.retention, self.withdrawal
-        return {
-            **self.space.status(),
-            "fsync": self.durability.status(),
-            "incomplete_grace": r.grace if r is not None else None,
-            "removed_incomplete_steps": r.removed_steps[-20:] if r is not None else [],
-            **self.lags.status(),
-            **(w.status() if w is not None else {}),
-        }
-
-    def status(self) -> dict[str, Any]:
-        """What `mtcfs status --json` shows (and the metrics are made of)."""
-        fs, opts = self.fs, self.opts
-        st: dict[str, Any] = fs.status()
-        st.update(
-            mountpoint=opts.mountpoint,
-            pid=os.getpid(),
-            version=__version__,
-            uptime=round(time.time() - self.started, 1),
-            health="ok",
-            node=fs.node_id,
-            data_path=fs.data_path,
-            passthrough=self.passthrough.status(),
-            lifecycle=self.lifecycle_status(),
-            fetch=self.fetcher.status(),
-            metrics_url=self.metrics_url,
-        )
-        up, listing = self.uploader, self.listing
-        if up is not None and listing is not None:
-            st["durable"] = {**up.status(),
-                             "readthrough": {**self.fetcher.status(), **listing.status()}}
-            # Failing now: backing off, or a tier call retrying through an outage.
-            recent = time.time() - up.stats.last_error_time < 30
-            if up.stats.last_error and not up.idle() and (up.status()["retrying_in"] or recent):
-                st["health"] = "degraded"
-        else:
-            st["durable"] = None
-        lc = st["lifecycle"]
-        if lc["writers_waiting"] or (lc["last_full_age"] is not None
-                                     and lc["last_full_age"] < 60):
-            st["health"] = "degraded"  # writers blocked on, or refused by, a full RAM tier
-        peers = self.peers
-        st["peers"] = peers.status() if peers is not None else None
-        st["visibility"] = {
-            "mode": fs.visibility_mode,
-            **(peers.broadcaster.status() if peers is not None else {
-                "commit_timeout": opts.commit_timeout, "waits": 0, "wait_seconds": 0.0,
-                "max_wait_seconds": 0.0, "timeouts": 0, "last_timeout": None,
-                "broadcast_queue": 0}),
-        }
-        if st["visibility"]["timeouts"] and peers is not None and not peers.broadcaster.quiet():
-            st["health"] = "degraded"  # commits returned before every peer had them
-        if peers is not None:
-            st["peers"]["bytes_fetched_by_source"] = self.fetcher.status()["bytes_by_source"]
-        return st
 
 
 def step_rules(opts: MountOptions) -> StepRules:
@@ -197,8 +183,66 @@ def _names(value: str | None) -> tuple[str, ...]:
 
 def open_ram(opts: MountOptions, own_tmpfs: bool) -> RamTier:
     """The RAM tier; with own_tmpfs (passthrough) on a tmpfs of its own, sized
-    --ram-size (raises OSError if that cannot be mounted)."""
-    return RamTier(opts.ram_dir, opts.ram_size, own_tmpfs=own_tmpfs)
+    --ram-size, huge pages as --huge-pages says (raises OSError if that cannot be
+    mounted)."""
+    return RamTier(opts.ram_dir, opts.ram_size, own_tmpfs=own_tmpfs,
+                   huge_pages=HugePages(opts.huge_pages))
+
+
+@dataclass(frozen=True)
+class KernelCalls:
+    """What a mount asks of the kernel (pyfuse3's calls, in the daemon): drop cached
+    names and attributes; register and release passthrough backing files."""
+
+    invalidate_entry: Callable[[int, bytes], None]
+    invalidate_inode: Callable[[int], None]
+    backing_open: Callable[[int], int]
+    backing_close: Callable[[int], None]
+
+
+def assemble(opts: MountOptions, calls: KernelCalls) -> Mount:
+    """The whole mount the daemon serves: the metadata store, the RAM tier (on a tmpfs
+    of its own when passthrough can be had, else as --data-path allows), the kernel
+    side and every part (build). Raises AssemblyError, having closed what it opened
+    (`mounted_tmpfs` says whether it had mounted the RAM tier's tmpfs)."""
+    mounted = False  # the RAM tier's tmpfs was mounted here
+    with ExitStack() as opened:  # closed again unless the mount is built
+        try:
+            store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
+            opened.callback(store.close)
+            want_passthrough = wants_passthrough(opts)
+            try:
+                ram = open_ram(opts, own_tmpfs=want_passthrough)
+            except OSError as e:
+                if opts.data_path == "passthrough":
+                    raise
+                log.warning("data path: fuse (the RAM tier's own tmpfs could not be mounted: "
+                            "%s)", e.strerror or e)
+                want_passthrough = False
+                ram = open_ram(opts, own_tmpfs=False)
+            opened.callback(ram.close)
+            mounted = ram.mounted_tmpfs
+            kernel = KernelCache(calls.invalidate_entry, calls.invalidate_inode)
+            passthrough = (Passthrough(calls.backing_open, calls.backing_close)
+                           if want_passthrough else Passthrough.unused())
+            mount = build(opts, store, ram, kernel, passthrough)
+        except Exception as e:
+            if isinstance(e, AssemblyError):
+                msg = str(e)
+            else:
+                log.exception("cannot open the RAM dir")
+                msg = f"cannot open RAM dir {opts.ram_dir}: {e}"
+            raise AssemblyError(msg, mounted_tmpfs=mounted) from None
+        opened.pop_all()
+    return mount
+
+
+def wants_passthrough(opts: MountOptions) -> bool:
+    """--data-path passthrough, or auto where this machine can have it."""
+    from mtcfs.fs.passthrough import unavailable
+
+    return opts.data_path == "passthrough" or (
+        opts.data_path == "auto" and unavailable() is None)
 
 
 def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCache,
@@ -214,91 +258,108 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     with_peers = bool(opts.listen)
     replicas = (opts.replicas or 0) if with_peers else 0
 
-    members = None
+    is_live: Callable[[str], bool] = _nobody_live  # no peers: no other host counts
     if with_peers:
-        members = _membership(opts, events)
-    copies = Copies(opts.node_id, replicas,
-                    members.is_live if members is not None else (lambda n: False),
+        members = _membership(opts, events, ram)
+        is_live = members.is_live
+    copies = Copies(opts.node_id, replicas, is_live,
                     durable=bool(opts.bucket), ns=ns, events=events)
-    recover(ns, ram, copies)  # what a previous daemon left, before anything reads it
+    versions = Versions(opts.node_id)  # the one writer of a file's state and version
+    recover(ns, ram, copies, versions)  # what a previous daemon left, before anything reads it
 
-    tier = _open_durable(opts) if opts.bucket else None
-    listing = None
-    if tier is not None:
+    # The uploads' counters: the tier tells them of the errors it retries through.
+    upload_stats = UploadStats()
+    tier: DurableTier = NoDurable()
+    listing: BucketListing | NoListing = NoListing()
+    if opts.bucket:
         from mtcfs.persist.listing import BucketListing
 
-        listing = BucketListing(ns, tier, copies, events, kernel, refresh=opts.list_refresh)
+        tier = _open_durable(opts, upload_stats.record_error)
+        listing = BucketListing(ns, tier, copies, versions, events, kernel,
+                                refresh=opts.list_refresh)
         # Objects this host is deleting (its pending deletes) are not merged back.
         _merge_bucket(listing, {k for k, _ in store.load_pending_deletes()})
 
-    peers = None
-    if members is not None:
-        from mtcfs.peer.tier import PeerTier
+    peers: PeerTier | NoPeers = NoPeers(opts.commit_timeout)
+    if with_peers:
+        from mtcfs.peer.tier import PeerSettings, build_peer_tier
 
-        bulk, bulk_server = _data_channel(opts)
-        peers = PeerTier(ns, ram, copies, events, kernel, members, clock, retired,
-                         node_id=opts.node_id, listen=opts.listen or "", replicas=replicas,
-                         secret=_secret(opts), tls=_tls(opts),
-                         failure_domain=opts.failure_domain or "",
-                         commit_timeout=opts.commit_timeout, bulk=bulk, bulk_server=bulk_server)
-    uploader = None
-    if tier is not None:
+        peers = build_peer_tier(
+            ns, ram, copies, events, kernel, members, clock, retired,
+            PeerSettings(opts.node_id, opts.listen or "", replicas, secret=_secret(opts),
+                         tls=_tls(opts), failure_domain=opts.failure_domain or "",
+                         commit_timeout=opts.commit_timeout),
+            _data_channel(opts))
+    uploader: Uploader | NoUploader = NoUploader()
+    if opts.bucket:
         from mtcfs.persist.policy import PersistPolicy
         from mtcfs.persist.uploader import Uploader
 
         uploader = Uploader(ns, ram, tier, PersistPolicy.parse(opts.persist or "step"), rules,
                             copies, events, node_id=opts.node_id if with_peers else "",
-                            hosts_accounted=(peers.hosts_accounted if peers is not None
-                                             else lambda: True))
+                            hosts_accounted=peers.hosts_accounted, stats=upload_stats)
 
     # What may not be evicted now (being uploaded, pushed) and what may make room.
-    activity = [a for a in (uploader, peers) if a is not None]
-    space = SpaceManager(ns, ram, copies, rules, activity, opts.keep_steps, opts.full_timeout)
+    space = SpaceManager(ns, ram, copies, rules, [uploader, peers], opts.keep_steps,
+                         opts.full_timeout)
     fetcher = Fetcher(ns, ram, copies, events, space, tier, peers)
     durability = Durability(ns, copies, events, rules, opts.fsync, opts.fsync_timeout,
                             uploader, with_peers)
-    lags = Lags(copies, durable=tier is not None)
+    lags = Lags(copies, durable=bool(opts.bucket))
+    sealer = Sealer(ns, ram, copies, events, versions)
+    names = Names(ns, ram, events, sealer, rules=rules, visibility=peers)
     fs = Filesystem(ns, ram, copies, events, kernel, clock, fetcher, space, durability,
-                    passthrough, node_id=opts.node_id, control_socket=opts.control_socket,
-                    rules=rules, visibility=peers, visibility_mode=opts.visibility,
-                    durable_name=_durable_name(tier))
-    retention = (Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
-                 if opts.keep_steps else None)
+                    passthrough, sealer, names, Xattrs(ns, opts.control_socket),
+                    node_id=opts.node_id, rules=rules, visibility_mode=opts.visibility)
+    retention: Retention | NoRetention = (
+        Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
+        if opts.keep_steps else NoRetention())
     # With peers, a committed step whose file lost its last copy is withdrawn.
-    withdrawal = None
-    if members is not None:
+    withdrawal: Withdrawal | NoWithdrawal = NoWithdrawal()
+    if with_peers:
         from mtcfs.peer.membership import GONE_AFTER
 
         withdrawal = Withdrawal(fs, copies, rules, members.live_nodes, members.job_size,
                                 members.down_for, GONE_AFTER)
 
-    events.register(*[x for x in (fs, lags, uploader, peers, fetcher, space, durability,
-                                  retention, withdrawal) if x is not None])
-    return Mount(opts, store, ns, ram, events, kernel, copies, fs, fetcher, space, durability,
-                 lags, passthrough, uploader, listing, peers, retention, withdrawal)
+    # A replacement host pulls the copies the job counts on it for (none without peers).
+    restore = ReplacementRestore(ns, rules, fetcher, opts.node_id, opts.keep_steps,
+                                 peers.missing_copies)
+
+    events.register(fs, lags, uploader, peers, fetcher, space, durability, retention,
+                    withdrawal)
+    mount = Mount(opts, store, ns, ram, events, kernel, copies, fs, fetcher, space, durability,
+                  lags, passthrough, uploader, listing, peers, retention, withdrawal, restore)
+    return mount
 
 
-def _membership(opts: MountOptions, events: Events) -> Any:
+def _nobody_live(node_id: str) -> bool:
+    return False
+
+
+def _membership(opts: MountOptions, events: Events, ram: RamTier) -> Any:
     from mtcfs.peer.membership import Membership
 
     static = [a.strip() for a in (opts.peers or "").split(",") if a.strip()]
     try:
         return Membership(opts.listen or "", opts.node_id, static, opts.peers_file,
                           _secret(opts), _tls(opts), events,
-                          domain=opts.failure_domain or "", replicas=opts.replicas or 0)
+                          domain=opts.failure_domain or "", replicas=opts.replicas or 0,
+                          ram=ram)
     except (OSError, ValueError) as e:
         raise AssemblyError(f"peer tier: {e}") from None
 
 
-def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
-    """The bulk data channel's client pool, and how to make its server once the peer
-    tier runs (it calls into the trio thread); (None, None) with --data-connections 0."""
+def _data_channel(opts: MountOptions) -> Any:
+    """The bulk data channel: its client pool, and how to make its server once the
+    peer tier runs (it calls into the trio thread); none with --data-connections 0."""
+    from mtcfs.peer.datachannel import DataChannel, NoDataChannel
+
     if not opts.data_connections:
-        return None, None
+        return NoDataChannel()
     from mtcfs.config import data_listen_address
     from mtcfs.peer.bulk import (
         VERIFIERS,
-        BlockHashes,
         BulkPool,
         BulkServer,
         Keys,
@@ -306,8 +367,7 @@ def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
         tls_contexts,
     )
 
-    keys = Keys(_secret(opts))
-    hashes = BlockHashes()  # digests learned sending or receiving, used by both sides
+    keys = Keys(_secret(opts), encrypt=opts.peer_encryption)
     # Threads that check landed blocks, for both sides (they share the 2 cores anyway).
     verifier = ThreadPoolExecutor(VERIFIERS, "bulk-verify")
     try:
@@ -317,10 +377,9 @@ def _data_channel(opts: MountOptions) -> tuple[Any, Any]:
     listen = data_listen_address(opts)
 
     def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
-        return BulkServer(handler, in_trio(token), keys, listen, server_tls, hashes=hashes,
-                          verifier=verifier)
+        return BulkServer(handler, in_trio(token), keys, listen, server_tls, verifier=verifier)
 
-    return BulkPool(keys, client_tls, opts.data_connections, hashes, verifier), server
+    return DataChannel(BulkPool(keys, client_tls, opts.data_connections, verifier), server)
 
 
 def _secret(opts: MountOptions) -> bytes | None:
@@ -338,12 +397,12 @@ def _tls(opts: MountOptions) -> tuple[bytes, bytes, bytes | None] | None:
     return read(opts.tls_cert), read(opts.tls_key), read(opts.tls_ca) if opts.tls_ca else None
 
 
-def _open_durable(opts: MountOptions) -> DurableTier:
+def _open_durable(opts: MountOptions, on_retry: Callable[[str], None]) -> DurableTier:
     # Imported here: google-cloud-storage is slow to import and unused without --bucket.
     from mtcfs.tiers.durable import DurableError, open_durable
 
     try:
-        tier = open_durable(opts.bucket or "", opts.gcs_endpoint)
+        tier = open_durable(opts.bucket or "", opts.gcs_endpoint, on_retry=on_retry)
         tier.check()
     except DurableError as e:
         raise AssemblyError(f"durable tier {opts.bucket}: {e}") from None
@@ -364,8 +423,8 @@ def _merge_bucket(listing: BucketListing, pending_deletes: set[str]) -> None:
              len(objects), merged, time.monotonic() - t0)
 
 
-def _durable_name(tier: DurableTier | None) -> str:
+def _durable_name(url: str | None) -> str:
     """The durable tier's name in `tiers`: "gcs" for gs://, "file" for file://."""
-    if tier is None:
+    if not url:
         return "durable"
-    return "gcs" if tier.url.startswith("gs:") else "file"
+    return "gcs" if url.startswith("gs:") else "file"

@@ -7,24 +7,42 @@ Command-line values win over the file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import os
 import re
 import socket
+import time
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mtcfs import sizes
-from mtcfs.mountinfo import entry_at
 from mtcfs.peer import addresses
 from mtcfs.peer.addresses import AddressError
+
+# Re-exported: tests and benchmarks import the probes from here.
+from mtcfs.probes import (  # noqa: F401
+    is_dead_mount,
+    is_mounted,
+    mount_entry,
+    process_alive,
+    release_dead_listener,
+)
 from mtcfs.sizes import SizeError, format_size
+
+log = logging.getLogger("mtcfs")
 
 FSYNC_LEVELS = ("local", "replicas", "gcs")
 VISIBILITY_MODES = ("fsync", "close")
 DATA_PATHS = ("auto", "passthrough", "fuse")
 LOG_FORMATS = ("text", "json")
+HUGE_PAGES = ("auto", "always", "never")
+
+# Below this a RAM tier holds nothing useful: `--ram-size 1` (meant as GiB?) is refused.
+MIN_RAM_SIZE = 4 << 20
 
 # Mount options libfuse and the kernel accept (checked before mounting so a
 # typo is a usage error, not a failed mount).
@@ -34,6 +52,9 @@ FUSE_OPTIONS = frozenset({
     "nosuid", "nodev", "sync", "async", "dirsync", "fsname", "subtype", "max_read",
     "blksize", "context", "fscontext", "defcontext", "rootcontext",
 })
+# mtcfs's own -o options, never passed to the kernel: nonempty mounts over a directory
+# that has files (they stay hidden while mounted).
+OWN_MOUNT_OPTIONS = frozenset({"nonempty"})
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -65,7 +86,7 @@ class MountOptions:
     daemon: bool = False
     log_level: str = "info"
     fuse_options: list[str] = field(default_factory=list)
-    # Later tiers (see NOT_YET_SUPPORTED).
+    # The peer tier (docs/peers.md).
     listen: str | None = None
     peers: str | None = None
     peers_file: str | None = None
@@ -79,6 +100,8 @@ class MountOptions:
     # The bulk data channel (mtcfs.peer.bulk): where it listens, connections per peer.
     data_listen: str | None = None
     data_connections: int = 4
+    # AES-GCM encryption of the data channel's frames (else authenticated only).
+    peer_encryption: bool = False
     bucket: str | None = None
     gcs_endpoint: str | None = None
     persist: str | None = None
@@ -99,6 +122,10 @@ class MountOptions:
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
     log_format: str = "text"
+    # The RAM tier's tmpfs: transparent huge pages (auto: probed at mount).
+    huge_pages: str = "auto"
+    # Not an option: validation created the RAM dir (a failed mount removes it again).
+    ram_dir_created: bool = field(default=False, metadata={"option": False})
 
     @property
     def control_socket(self) -> str:
@@ -113,7 +140,8 @@ def load_toml(path: str) -> dict[str, object]:
         raise ConfigError(f"config file {path} does not exist") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {path}: {e}") from None
-    known = {f.name for f in fields(MountOptions)} - {"mountpoint"}
+    known = {f.name for f in fields(MountOptions)
+             if f.metadata.get("option", True)} - {"mountpoint"}
     out: dict[str, object] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
@@ -128,7 +156,7 @@ def load_toml(path: str) -> dict[str, object]:
 
 def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
     """TOML values have types: `daemon = "no"` must not mean true."""
-    if name in ("daemon", "insecure"):
+    if name in ("daemon", "insecure", "peer_encryption"):
         ok, want = isinstance(value, bool), "true or false"
     elif name in ("replicas", "keep_steps", "metrics_port", "data_connections"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
@@ -167,7 +195,12 @@ def build_options(mountpoint: str, cli: dict[str, object], config_file: str | No
 
 def _validate(opts: MountOptions) -> None:
     explicit_ram_size = bool(opts.ram_size)
+    given = opts.ram_size
     opts.ram_size = parse_size(opts.ram_size or "4GiB")
+    if opts.ram_size < MIN_RAM_SIZE:
+        raise ConfigError(f"invalid --ram-size {given!r}: at least "
+                          f"{format_size(MIN_RAM_SIZE)} (give a unit, e.g. 8GiB or 64Gi)")
+    opts.huge_pages = _choice(opts.huge_pages, "auto", HUGE_PAGES, "--huge-pages")
     _validate_durable(opts)
     _validate_peers(opts)
     _validate_lifecycle(opts)
@@ -187,7 +220,7 @@ def _validate(opts: MountOptions) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_]+(=[^,]*)?", o):
             raise ConfigError(f"invalid FUSE option {o!r}")
         key = o.split("=", 1)[0]
-        if key not in FUSE_OPTIONS and o not in ("suid", "dev"):
+        if key not in FUSE_OPTIONS | OWN_MOUNT_OPTIONS and o not in ("suid", "dev"):
             raise ConfigError(
                 f"unknown FUSE option {o!r}: use one of {', '.join(sorted(FUSE_OPTIONS))}"
             )
@@ -195,8 +228,20 @@ def _validate(opts: MountOptions) -> None:
             # The daemon does not clear setuid bits or capabilities on write
             # (the kernel leaves that to it under HANDLE_KILLPRIV_V2).
             raise ConfigError(f"FUSE option {o!r} is not allowed: mtcfs mounts are nosuid,nodev")
-    check_mountpoint(opts.mountpoint)
-    check_ram_dir(opts.ram_dir, opts.mountpoint)
+    check_mountpoint(opts.mountpoint, nonempty="nonempty" in opts.fuse_options)
+    check_ports(opts)
+    opts.ram_dir_created = check_ram_dir(opts.ram_dir, opts.mountpoint)
+    try:
+        _check_ram_size(opts, explicit_ram_size)
+    except ConfigError:
+        if opts.ram_dir_created:  # refused: nothing left behind
+            os.rmdir(opts.ram_dir)
+        raise
+
+
+def _check_ram_size(opts: MountOptions, explicit_ram_size: bool) -> None:
+    """The budget fits what holds it: memory (the RAM tier's own tmpfs) or the
+    filesystem of the RAM dir."""
     st = os.statvfs(opts.ram_dir)
     if opts.data_path != "fuse" and passthrough_unavailable() is None:
         # The RAM tier becomes a tmpfs of its own: bounded by memory, not by the
@@ -215,11 +260,16 @@ def _validate(opts: MountOptions) -> None:
             "or give a larger --ram-dir (e.g. remount /dev/shm with size=...)")
 
 
+def _choice(value: object, default: str, choices: Sequence[str], option: str) -> str:
+    """An option's value, lower-cased, among `choices` (ConfigError naming them)."""
+    chosen = str(value or default).lower()
+    if chosen not in choices:
+        raise ConfigError(f"invalid {option} {chosen!r}: choose one of {', '.join(choices)}")
+    return chosen
+
+
 def _validate_data_path(opts: MountOptions) -> None:
-    opts.data_path = str(opts.data_path or "auto").lower()
-    if opts.data_path not in DATA_PATHS:
-        raise ConfigError(f"invalid --data-path {opts.data_path!r}: choose one of "
-                          f"{', '.join(DATA_PATHS)}")
+    opts.data_path = _choice(opts.data_path, "auto", DATA_PATHS, "--data-path")
     if opts.data_path == "passthrough":
         why = passthrough_unavailable()
         if why is not None:
@@ -306,14 +356,8 @@ def _validate_lifecycle(opts: MountOptions) -> None:
     _seconds(opts, "full_timeout", allow_zero=True)
     _seconds(opts, "fsync_timeout")
     _seconds(opts, "commit_timeout")
-    opts.visibility = str(opts.visibility or "fsync").lower()
-    if opts.visibility not in VISIBILITY_MODES:
-        raise ConfigError(f"invalid --visibility {opts.visibility!r}: choose one of "
-                          f"{', '.join(VISIBILITY_MODES)}")
-    opts.fsync = str(opts.fsync or "local").lower()
-    if opts.fsync not in FSYNC_LEVELS:
-        raise ConfigError(f"invalid --fsync {opts.fsync!r}: choose one of "
-                          f"{', '.join(FSYNC_LEVELS)}")
+    opts.visibility = _choice(opts.visibility, "fsync", VISIBILITY_MODES, "--visibility")
+    opts.fsync = _choice(opts.fsync, "local", FSYNC_LEVELS, "--fsync")
     if opts.fsync == "replicas" and not (opts.listen and opts.replicas):
         raise ConfigError("--fsync replicas needs peers (--listen, --peers) and --replicas >= 1")
     if opts.fsync == "gcs" and opts.bucket is None:
@@ -387,6 +431,9 @@ def _validate_peers(opts: MountOptions) -> None:
     if (not isinstance(opts.data_connections, int) or isinstance(opts.data_connections, bool)
             or not 0 <= opts.data_connections <= 64):
         raise ConfigError(f"invalid --data-connections {opts.data_connections!r}: 0-64")
+    if opts.peer_encryption and not opts.data_connections and not opts.tls_cert:
+        raise ConfigError("--peer-encryption encrypts the data channel: it needs "
+                          "--data-connections >= 1 (or TLS with --tls-cert/--tls-key)")
     tls = [opts.tls_cert, opts.tls_key]
     if any(tls) and not all(tls):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
@@ -415,7 +462,61 @@ def data_listen_address(opts: MountOptions) -> tuple[str, int]:
     return host, port + 1
 
 
-def check_mountpoint(mountpoint: str) -> None:
+def check_ports(opts: MountOptions) -> None:
+    """The ports are free before anything is mounted: --metrics-port, the peers' gRPC
+    and gossip port (--listen) and the data channel's (--data-listen, by default the
+    --listen port + 1). Checked, not held: the daemon binds them moments later."""
+    if opts.metrics_port:
+        _check_free(opts.metrics_address, opts.metrics_port, socket.SOCK_STREAM,
+                    f"--metrics-port {opts.metrics_port}")
+    if not opts.listen:
+        return
+    host, port = parse_address(opts.listen, "--listen address")
+    try:
+        _check_free(host, port, socket.SOCK_STREAM, f"--listen {opts.listen}")
+    except ConfigError:
+        # A killed predecessor stuck on its own mount holds it: release it, once.
+        done = release_dead_listener(opts.listen)
+        if done is None:
+            raise
+        log.warning("--listen %s: %s", opts.listen, done)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                _check_free(host, port, socket.SOCK_STREAM, f"--listen {opts.listen}")
+                break
+            except ConfigError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    _check_free(host, port, socket.SOCK_DGRAM, f"--listen {opts.listen} (UDP, membership)")
+    if opts.data_connections:
+        dhost, dport = data_listen_address(opts)
+        if dport:
+            what = (f"--data-listen {opts.data_listen}" if opts.data_listen else
+                    f"the data channel's port {dport} (the --listen port + 1; give "
+                    "--data-listen HOST:PORT to choose another)")
+            _check_free(dhost, dport, socket.SOCK_STREAM, what)
+
+
+def _check_free(host: str, port: int, kind: int, what: str) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=kind, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"{what}: cannot resolve {host}: {e.strerror}") from None
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, kind) as s:
+            if kind == socket.SOCK_STREAM:  # as the servers do: TIME_WAIT is no conflict
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"{what}: port {port} is already in use") from None
+                raise ConfigError(f"{what}: cannot bind port {port}: {e.strerror}") from None
+
+
+def check_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
     p = Path(mountpoint)
     try:
         st = p.stat()
@@ -433,24 +534,25 @@ def check_mountpoint(mountpoint: str) -> None:
             return  # its daemon died; the mount step cleans it up
         raise ConfigError(f"mountpoint {mountpoint} is already in use by another mount")
     del st
+    if not nonempty:
+        try:
+            with os.scandir(mountpoint) as it:
+                first = next(it, None)
+        except OSError as e:
+            raise ConfigError(f"mountpoint {mountpoint}: {e.strerror}") from None
+        if first is not None:
+            raise ConfigError(f"mountpoint {mountpoint} is not empty ({first.name!r} and maybe "
+                              "more would be hidden while mounted): empty it, or give "
+                              "-o nonempty")
 
 
-def is_dead_mount(mountpoint: str) -> bool:
-    """True for a FUSE mount whose daemon died (every request fails with
-    ENOTCONN). statfs always reaches the daemon; stat() of the mount root
-    may still be answered from the kernel's attribute cache."""
-    try:
-        os.statvfs(mountpoint)
-    except OSError as e:
-        return e.errno == 107  # ENOTCONN
-    return False
-
-
-def check_ram_dir(ram_dir: str, mountpoint: str) -> None:
+def check_ram_dir(ram_dir: str, mountpoint: str) -> bool:
+    """Create the RAM dir if needed (returns whether it did) and check it is usable."""
     real = os.path.realpath(ram_dir)
     mp = os.path.realpath(mountpoint)
     if real == mp or real.startswith(mp + os.sep):
         raise ConfigError(f"RAM dir {ram_dir} must not be inside the mountpoint")
+    created = not os.path.lexists(ram_dir)
     try:
         os.makedirs(ram_dir, mode=0o700, exist_ok=True)
     except OSError as e:
@@ -464,25 +566,4 @@ def check_ram_dir(ram_dir: str, mountpoint: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"RAM dir {ram_dir} is not writable: {e.strerror}") from None
-
-
-def mount_entry(mountpoint: str) -> dict[str, str] | None:
-    """The /proc/self/mountinfo entry at `mountpoint` (the topmost one), if any."""
-    try:
-        e = entry_at(mountpoint)
-    except OSError:
-        return None
-    return None if e is None else {"fstype": e.fstype, "source": e.source}
-
-
-def is_mounted(mountpoint: str) -> bool:
-    return mount_entry(mountpoint) is not None
-
-
-def process_alive(pid: int) -> bool:
-    """True while the process runs (a zombie awaiting its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    return created

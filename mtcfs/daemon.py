@@ -7,23 +7,28 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
 
 from mtcfs import control
-from mtcfs.assembly import AssemblyError, Mount, build, open_ram
-from mtcfs.config import MountOptions, is_dead_mount, mount_entry
+from mtcfs.absent import NoMetrics
+from mtcfs.assembly import AssemblyError, KernelCalls, Mount, assemble
+from mtcfs.config import OWN_MOUNT_OPTIONS, MountOptions
 from mtcfs.control.handlers import ControlHandler
 from mtcfs.fs.fuse_ops import FuseOperations, mount_options, raise_read_ahead
-from mtcfs.fs.kernel import KernelCache
-from mtcfs.fs.passthrough import Passthrough
-from mtcfs.meta.store import MetaStore
+from mtcfs.probes import is_dead_mount, mount_entry, record_listener
 from mtcfs.sizes import format_size
+from mtcfs.tiers.ram import unmount_tmpfs
+
+if TYPE_CHECKING:
+    from mtcfs.metrics import Metrics
 
 log = logging.getLogger("mtcfs")
 
@@ -64,6 +69,11 @@ def setup_logging(level: str, stream: Any = None, fmt: str = "text",
 def run(opts: MountOptions) -> int:
     """Mount and serve until unmounted. With --daemon, the calling process
     returns 0 as soon as the mount is live (or 1 with the reason)."""
+    # gRPC's C core writes its own lines to stderr (a bind it could not make, with a
+    # hint to set GRPC_VERBOSITY): not one of ours, and not JSON. Errors reach us as
+    # exceptions; --log-level debug lets its lines through.
+    if opts.log_level != "debug":
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     if not opts.daemon:
         setup_logging(opts.log_level, fmt=opts.log_format)
         return _serve_foreground(opts, ready_fd=None)
@@ -106,12 +116,25 @@ def _notify(ready_fd: int | None, msg: str) -> None:
         pass
 
 
-def _fail_early(msg: str, ready_fd: int | None, store: MetaStore | None) -> int:
-    """Mounting failed: say why (log, and the waiting `mount --daemon`)."""
+class Failure:
+    """Why the mount failed before it was live. The waiting `mount --daemon` is told
+    once everything is cleaned up, so that it returns to a machine with nothing of
+    this mount left on it."""
+
+    def __init__(self) -> None:
+        self.message = ""
+
+    def __call__(self, msg: str) -> None:
+        log.error("%s", msg)
+        self.message = self.message or msg
+
+
+def _fail_early(msg: str, ready_fd: int | None, discard: Callable[[], None]) -> int:
+    """Mounting failed: say why (log, and the waiting `mount --daemon`), after
+    `discard()` took back what the attempt made."""
     log.error("%s", msg)
+    discard()
     _notify(ready_fd, msg)
-    if store is not None:
-        store.close()
     return 1
 
 
@@ -145,6 +168,25 @@ def cleanup_dead_mount(mountpoint: str) -> bool:
     return True
 
 
+def _discard_leftovers(opts: MountOptions, mounted_tmpfs: bool, fresh: bool) -> None:
+    """A mount that failed before it was live takes back what it made: the RAM tier's
+    tmpfs it mounted and the RAM dir it created, if nothing was in them before."""
+    if not fresh or os.path.exists(os.path.join(opts.ram_dir, "daemon.json")):
+        return  # a RAM dir with data (re-adopted), or one that was live
+    if mounted_tmpfs:
+        unmount_tmpfs(os.path.join(opts.ram_dir, "data"))
+    if opts.ram_dir_created and mount_entry(os.path.join(opts.ram_dir, "data")) is None:
+        shutil.rmtree(opts.ram_dir, ignore_errors=True)
+
+
+# What the mount asks of the kernel: pyfuse3's calls.
+PYFUSE3 = KernelCalls(
+    invalidate_entry=lambda parent, name: pyfuse3.invalidate_entry(parent, name),
+    invalidate_inode=lambda ino: pyfuse3.invalidate_inode(ino, attr_only=True),
+    backing_open=lambda fd: pyfuse3.backing_open(fd),
+    backing_close=lambda backing: pyfuse3.backing_close(backing))
+
+
 def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
     try:
         lock_fd = _lock_ram_dir(opts.ram_dir)
@@ -152,84 +194,72 @@ def _serve_foreground(opts: MountOptions, ready_fd: int | None) -> int:
         log.error("%s", e)
         _notify(ready_fd, str(e))
         return 1
+    if opts.listen and not opts.token_file:
+        log.warning("--insecure: peer RPCs and the data channel are not authenticated; any "
+                    "host that reaches %s can read and change this job's files", opts.listen)
+    # Nothing of ours in the RAM dir yet: a failed mount leaves none of it behind.
+    fresh = not os.path.exists(os.path.join(opts.ram_dir, "meta.db"))
     if cleanup_dead_mount(opts.mountpoint):
         log.warning("cleaned up a dead mount left at %s by a previous daemon", opts.mountpoint)
-    store = ram = None
     try:
-        store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
-        want_passthrough = _want_passthrough(opts)
-        try:
-            ram = open_ram(opts, own_tmpfs=want_passthrough)
-        except OSError as e:
-            if opts.data_path == "passthrough":
-                raise
-            log.warning("data path: fuse (the RAM tier's own tmpfs could not be mounted: %s)",
-                        e.strerror or e)
-            want_passthrough = False
-            ram = open_ram(opts, own_tmpfs=False)
-        kernel = KernelCache(
-            lambda parent, name: pyfuse3.invalidate_entry(parent, name),
-            lambda ino: pyfuse3.invalidate_inode(ino, attr_only=True))
-        passthrough = (Passthrough(pyfuse3.backing_open, pyfuse3.backing_close)
-                       if want_passthrough else Passthrough.unused())
-        mount = build(opts, store, ram, kernel, passthrough)
-    except Exception as e:
-        if isinstance(e, AssemblyError):
-            msg = str(e)
-        else:
-            log.exception("cannot open the RAM dir")
-            msg = f"cannot open RAM dir {opts.ram_dir}: {e}"
-        if ram is not None:
-            ram.close()
+        mount = assemble(opts, PYFUSE3)
+    except AssemblyError as e:
         os.close(lock_fd)
-        return _fail_early(msg, ready_fd, store)
-    metrics = None
-    if opts.metrics_port is not None:
-        from mtcfs.metrics import Metrics
+        mounted = e.mounted_tmpfs
+        return _fail_early(str(e), ready_fd, lambda: _discard_leftovers(opts, mounted, fresh))
 
-        metrics = Metrics(mount.status, opts.node_id)
-        try:
-            port = metrics.serve(opts.metrics_address, opts.metrics_port)
-        except OSError as e:
-            mount.stop()
-            mount.close()
-            os.close(lock_fd)
-            return _fail_early(f"metrics server on {opts.metrics_address}:{opts.metrics_port}: "
-                               f"{e.strerror}", ready_fd, None)
-        metrics.observe(mount)
-        mount.metrics_url = f"http://{opts.metrics_address}:{port}/metrics"
-        log.info("metrics on %s (health: /healthz)", mount.metrics_url)
-    ops = FuseOperations(mount.fs, passthrough=want_passthrough)
-    try:
-        pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
-                                                         opts.fuse_options))
-    except Exception as e:
+    def give_up(msg: str, metrics: Metrics | NoMetrics) -> int:
+        """Before the mount was live: undo it all, say why."""
         mount.stop()
+        metrics.close()
         mount.close()
         os.close(lock_fd)
-        if metrics is not None:
-            metrics.close()
-        return _fail_early(f"cannot mount {opts.mountpoint}: {e}", ready_fd, None)
-    code = 0
+        return _fail_early(msg, ready_fd,
+                           lambda: _discard_leftovers(opts, mount.ram.mounted_tmpfs, fresh))
+
     try:
-        code = trio.run(_main, mount, ready_fd, metrics, ops.enable_passthrough)
+        metrics = _serve_metrics(opts, mount)
+    except OSError as e:
+        return give_up(f"metrics server on {opts.metrics_address}:{opts.metrics_port}: "
+                       f"{e.strerror}", NoMetrics())
+    ops = FuseOperations(mount.fs, mount.view, passthrough=mount.passthrough_asked)
+    kernel_options = [o for o in opts.fuse_options if o not in OWN_MOUNT_OPTIONS]
+    try:
+        pyfuse3.init(ops, opts.mountpoint, mount_options(f"mtcfs:{opts.node_id}",
+                                                         kernel_options))
+    except Exception as e:
+        return give_up(f"cannot mount {opts.mountpoint}: {e}", metrics)
+    code = 0
+    failure = Failure()
+    try:
+        code = trio.run(_main, mount, ready_fd, failure, metrics, ops.enable_passthrough)
     except Exception:
         log.exception("daemon failed")
         code = 1
     finally:
         mount.stop()
-        if metrics is not None:
-            metrics.close()
+        metrics.close()
         pyfuse3.close(unmount=True)
         mount.close()  # after the unmount: the RAM tier's own tmpfs goes last
         os.close(lock_fd)
+        if code != 0:
+            _discard_leftovers(opts, mount.ram.mounted_tmpfs, fresh)
+        if failure.message:
+            _notify(ready_fd, failure.message)
     log.info("unmounted %s", opts.mountpoint)
     return code
 
 
-def _want_passthrough(opts: MountOptions) -> bool:
-    return opts.data_path == "passthrough" or (
-        opts.data_path == "auto" and _passthrough_unavailable() is None)
+def _serve_metrics(opts: MountOptions, mount: Mount) -> Metrics | NoMetrics:
+    """The metrics server (--metrics-port); raises OSError when it cannot listen."""
+    if opts.metrics_port is None:
+        return NoMetrics()
+    from mtcfs.metrics import Metrics
+
+    metrics = Metrics(mount, opts.node_id)
+    metrics.serve(opts.metrics_address, opts.metrics_port)
+    log.info("metrics on %s (health: /healthz)", metrics.url)
+    return metrics
 
 
 def _passthrough_unavailable() -> str | None:
@@ -253,14 +283,14 @@ def _start_passthrough(mount: Mount) -> str | None:
     finally:
         os.close(fd)
         os.unlink(probe)
-    mount.passthrough.enabled = True
+    mount.passthrough.enable()
     return None
 
 
-async def _main(mount: Mount, ready_fd: int | None, metrics: Any = None,
-                passthrough_asked: bool = False) -> int:
+async def _main(mount: Mount, ready_fd: int | None, failure: Failure,
+                metrics: Metrics | NoMetrics, passthrough_asked: bool = False) -> int:
     opts = mount.opts
-    on_control = ControlHandler(mount, lambda: nursery.cancel_scope.cancel())
+    on_control = ControlHandler(mount, lambda: nursery.cancel_scope.cancel(), metrics.url)
 
     async def watch_signals() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -281,8 +311,7 @@ async def _main(mount: Mount, ready_fd: int | None, metrics: Any = None,
         try:
             await mount.start_peers(nursery)
         except (OSError, RuntimeError) as e:
-            log.error("peer tier: %s", e)
-            _notify(ready_fd, f"peer tier: {e}")
+            failure(f"peer tier: {e}")
             nursery.cancel_scope.cancel()
             return 1
         # Listen before serving FUSE: the socket path is published through an xattr
@@ -291,8 +320,7 @@ async def _main(mount: Mount, ready_fd: int | None, metrics: Any = None,
         nursery.start_soon(serve_fuse)
         nursery.start_soon(watch_signals)
         mount.run_background(nursery)
-        if metrics is not None:
-            nursery.start_soon(metrics.refresh_loop)
+        nursery.start_soon(metrics.refresh_loop)
         # The first call on the mount waits for the kernel's INIT to be served.
         await trio.to_thread.run_sync(raise_read_ahead, opts.mountpoint)
         mount.kernel.start()
@@ -300,8 +328,7 @@ async def _main(mount: Mount, ready_fd: int | None, metrics: Any = None,
             "the daemon was told --data-path fuse" if opts.data_path == "fuse"
             else _passthrough_unavailable())
         if why is not None and opts.data_path == "passthrough":
-            log.error("--data-path passthrough: %s", why)
-            _notify(ready_fd, f"--data-path passthrough: {why}")
+            failure(f"--data-path passthrough: {why}")
             nursery.cancel_scope.cancel()
             return 1
         if why is None:
@@ -310,11 +337,14 @@ async def _main(mount: Mount, ready_fd: int | None, metrics: Any = None,
         else:
             log.info("data path: fuse (%s)", why)
         log.info(
-            "mounted %s: node %s, RAM dir %s, RAM size %s, %d files re-adopted",
-            opts.mountpoint, opts.node_id, opts.ram_dir, format_size(opts.ram_size),
-            len(mount.ns.files()),
+            "mounted %s: node %s, RAM dir %s, RAM size %s, huge pages %s, "
+            "%d files re-adopted", opts.mountpoint, opts.node_id, opts.ram_dir,
+            format_size(opts.ram_size), mount.ram.huge_pages.describe(), len(mount.ns.files()),
         )
         with open(os.path.join(opts.ram_dir, "daemon.json"), "w") as f:
-            json.dump({"pid": os.getpid(), "mountpoint": opts.mountpoint}, f)
+            json.dump({"pid": os.getpid(), "mountpoint": opts.mountpoint,
+                       "node_id": opts.node_id}, f)
+        if opts.listen:
+            record_listener(opts.listen, os.getpid(), opts.mountpoint)
         _notify(ready_fd, "OK")
     return 0

@@ -17,14 +17,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
-from mtcfs.checksums import IntegrityError
-from mtcfs.events import Listener
-from mtcfs.fs.namespace import Inode, Namespace
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.core.checksums import IntegrityError
+from mtcfs.core.copies import Copies
+from mtcfs.core.events import Listener
+from mtcfs.core.namespace import CLOSED, Inode, Namespace
 from mtcfs.tiers.durable import DurableError, DurableTier
 from mtcfs.tiers.ram import RamTier
 
@@ -39,10 +39,18 @@ class PeerSource(Protocol):
 
     node_id: str
 
-    async def download(self, node: Inode, fd: int,
-                       on_verified: Callable[[int, int], None]) -> dict[str, int]:
+    async def restore(self, node: Inode, fd: int, tier: DurableTier, key: str, generation: int,
+                      parallel: int, on_verified: Callable[[int, int], None]
+                      ) -> dict[str, int] | None:
+        """Read a persisted file through together with the other hosts reading it (each
+        its share of the bucket's chunks); None: read it from the bucket alone."""
+        ...
+
+    async def download(self, node: Inode, fd: int, on_verified: Callable[[int, int], None],
+                       focus: Callable[[], int | None] = lambda: None) -> dict[str, int]:
         """Fill fd with the node's version from its holders (blocks from several at
-        once); returns the bytes each holder (node id) delivered."""
+        once); returns the bytes each holder (node id) delivered. focus(): the offset a
+        reader waits at, fetched next (None: file order)."""
         ...
 
 
@@ -67,6 +75,9 @@ class Fetch:
     done: bool = False
     bytes: int = 0
     dest: int = 0  # st_ino of the RAM file this fetch fills (a new one per fetch)
+    # Where the last read that had to wait asked: fetched next, and on from there (a
+    # ranged read of a large file is not served after everything before it).
+    focus: int | None = None
 
     def add(self, off: int, length: int) -> None:
         self.bytes += length
@@ -110,15 +121,38 @@ class Stats:
     last_error: str = ""
 
 
+
+class _Tasks:
+    """The fetches' background tasks: started in the Fetcher's nursery once it runs
+    (a fetch asked for before then is a bug: the daemon runs it before serving)."""
+
+    def __init__(self) -> None:
+        self.nursery: trio.Nursery | _NotRunning = _NotRunning()
+
+    def run_in(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+
+    @property
+    def running(self) -> bool:
+        return not isinstance(self.nursery, _NotRunning)
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        self.nursery.start_soon(fn, *args)
+
+
+class _NotRunning:
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        raise RuntimeError("the fetcher is not running yet")
+
 class Fetcher(Listener):
     """Downloads into the RAM tier. `copies` records a completed copy; `events` says
     when one fails; `room` makes room for it; `tier` (None without a bucket) and
-    `peers` (None without peers) are where copies come from. It listens for
+    `peers` are where copies come from (mtcfs.absent's NoDurable and NoPeers when not
+    configured: they hold nothing). It listens for
     `copy_wanted` (the uploader needs a file here)."""
 
     def __init__(self, ns: Namespace, ram: RamTier, copies: Copies, events: Listener,
-                 room: Room, tier: DurableTier | None = None,
-                 peers: PeerSource | None = None, parallel: int = 4) -> None:
+                 room: Room, tier: DurableTier, peers: PeerSource, parallel: int = 4) -> None:
         self.ns = ns
         self.ram = ram
         self.copies = copies
@@ -131,7 +165,14 @@ class Fetcher(Listener):
         self.stats = Stats()
         self.sources: dict[str, int] = {}  # bytes fetched, by where they came from
         self.prefetch_errors: dict[int, str] = {}
-        self._nursery: trio.Nursery | None = None
+        # The files of the prefetches under way (a new batch starts once all are done).
+        self.prefetching: list[Inode] = []
+        # Files fetched whole ahead of readers (prefetch, a replacement's restore).
+        self._ahead: set[int] = set()
+        # A step's files fetched because a reader opened one of them (step_ahead).
+        self._stepping: set[int] = set()
+        self._step_limiter = trio.CapacityLimiter(parallel)
+        self._tasks = _Tasks()  # the fetches' nursery, once run() has started
 
     def busy(self, node: Inode) -> bool:
         """A download of this file is under way."""
@@ -140,16 +181,67 @@ class Fetcher(Listener):
 
     fetching = busy
 
+    def ahead(self, node: Inode) -> bool:
+        """A whole-file fetch of it, asked for ahead of readers, is under way: an open
+        waits for it and then reads the file in RAM (passthrough) rather than read by
+        read through the daemon while it arrives."""
+        return node.ino in self._ahead and self.busy(node)
+
+    async def fetch_ahead(self, node: Inode, limiter: trio.CapacityLimiter,
+                          failed: dict[int, str]) -> None:
+        """The whole file into the RAM tier ahead of its readers, under `limiter` (a
+        batch's bound): nothing when it is here or gone; why it failed kept in
+        `failed` (ino -> why)."""
+        async with limiter:
+            if node.has_data or not node.linked:
+                return
+            self._ahead.add(node.ino)
+            try:
+                await self.wait_complete(node)
+            except OSError as e:
+                failed[node.ino] = e.strerror or str(e)
+            finally:
+                self._ahead.discard(node.ino)
+
+    def step_ahead(self, files: list[Inode]) -> None:
+        """A reader opened one file of a committed step that is not here: the step's
+        other files not here are fetched too, in the background, `parallel` at a
+        time (a load reads a step's files one after the other: each is then here,
+        or under way, when it is opened). Only copies live peers hold (a step
+        evicted here and read from the bucket is not pulled back whole), and only
+        what fits in the RAM tier now."""
+        if not self._tasks.running:
+            return
+        todo = [n for n in files if n.is_file and n.linked and not n.has_data
+                and n.state == CLOSED and not self.busy(n) and n.ino not in self._stepping
+                and self.copies.elsewhere(n)]
+        if not todo or sum(n.size for n in todo) > self.ram.free:
+            return
+        self._stepping.update(n.ino for n in todo)
+
+        async def one(node: Inode) -> None:
+            async with self._step_limiter:
+                try:
+                    if not node.has_data and node.linked:
+                        await self.wait_complete(node)
+                except OSError as e:  # said by the fetch; a reader will ask again
+                    log.debug("step read-ahead of %s: %s", self.ns.path_of(node), e)
+                finally:
+                    self._stepping.discard(node.ino)
+
+        for node in todo:
+            self._tasks.start_soon(one, node)
+
     def copy_wanted(self, node: Inode) -> None:
         """(Listener) Fetch it in the background (once at a time)."""
-        if not node.has_data and not self.busy(node) and self._nursery is not None:
+        if not node.has_data and not self.busy(node) and self._tasks.running:
             self.start(node)
 
     # -- fetching ----------------------------------------------------------------
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self._tasks.run_in(nursery)
             await trio.sleep_forever()
 
     def start(self, node: Inode) -> Fetch:
@@ -157,7 +249,6 @@ class Fetcher(Listener):
         if f is not None and f.error is None:
             return f
         f = self.fetches[node.ino] = Fetch(node.size)
-        assert self._nursery is not None
         # Always a new file (the handles' shared fd is moved onto it): a read that
         # relied on an earlier, failed fetch still finds that fetch's file (emptied)
         # behind its fd, never this one being filled (zeros, chunks in flight).
@@ -168,7 +259,7 @@ class Fetcher(Listener):
         # download cannot end up in a file that replaced this one meanwhile.
         fd = self.ram.open_fill(node.ino)
         f.dest = os.fstat(fd).st_ino
-        self._nursery.start_soon(self._fetch, node, f, fd)
+        self._tasks.start_soon(self._fetch, node, f, fd)
         return f
 
     async def _fetch(self, node: Inode, f: Fetch, fd: int) -> None:
@@ -195,24 +286,22 @@ class Fetcher(Listener):
                 # Readers wait while uploads or replication make room (bounded).
                 await self.room.make_room(node.size, key)
             self.ram.reserve(node.ino, node.size)
-            if self.peers is not None and [h for h in node.holders
-                                           if h != self.peers.node_id]:
+            if [h for h in node.holders if h != self.peers.node_id]:
                 try:
-                    sources = await self.peers.download(node, fd, f.add)
+                    sources = await self.peers.download(node, fd, f.add,
+                                                        focus=lambda: f.focus)
                 except OSError as e:
-                    if self.tier is None or not generation:
+                    if not self.tier.may_hold(generation):
                         raise
                     log.warning("%s: %s; reading it from %s", key, e, self.tier.url)
             if not sources:
-                if self.tier is None or not generation:
+                if not self.tier.may_hold(generation):
                     raise OSError(errno.EIO, "no copy is reachable: not on a live peer"
-                                  + ("" if self.tier is None else " nor in the durable tier"))
-                restored = None
-                if self.peers is not None:
-                    # Other hosts may read the same file now (a whole-job restore): the
-                    # bucket is read about once between them.
-                    restored = await self.peers.restore(node, fd, self.tier, key, generation,
-                                                        self.parallel, f.add)
+                                  + (" nor in the durable tier" if self.tier.url else ""))
+                # Other hosts may read the same file now (a whole-job restore): the
+                # bucket is read about once between them (None: read it alone).
+                restored = await self.peers.restore(node, fd, self.tier, key, generation,
+                                                    self.parallel, f.add)
                 if restored is None:
                     await trio.to_thread.run_sync(partial(
                         self.tier.download, key, fd, parallel=self.parallel,
@@ -237,8 +326,7 @@ class Fetcher(Listener):
             self.stats.fetched_bytes += node.size
             for source, n in sources.items():
                 self.sources[source] = self.sources.get(source, 0) + n
-            if self.tier is not None:
-                self.stats.durable_bytes += sources.get(self.tier.url, 0)
+            self.stats.durable_bytes += sources.get(self.tier.url, 0)
             log.info("fetched %s from %s (%d bytes) in %.2f s", key, ", ".join(sources), node.size,
                      time.monotonic() - t0)
             f.finish()
@@ -255,27 +343,29 @@ class Fetcher(Listener):
 
     def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run fn in the fetches' nursery (after start-up)."""
-        if self._nursery is not None:
-            self._nursery.start_soon(fn)
+        if self._tasks.running:
+            self._tasks.start_soon(fn)
 
     def prefetch(self, nodes: list[Inode], parallel: int = 4) -> None:
         """Fetch these files into the RAM tier in the background, `parallel` at a time
         (`mtcfs prefetch`); failures are kept in prefetch_errors."""
-        assert self._nursery is not None
         limiter = trio.CapacityLimiter(parallel)
-
-        async def one(node: Inode) -> None:
-            async with limiter:
-                if node.has_data or not node.linked:
-                    return
-                try:
-                    await self.wait_complete(node)
-                except OSError as e:
-                    self.prefetch_errors[node.ino] = e.strerror or str(e)
-
+        if self.prefetch_progress()["finished"]:
+            self.prefetching = []
+        self.prefetching.extend(nodes)
         for node in nodes:
             self.prefetch_errors.pop(node.ino, None)
-            self._nursery.start_soon(one, node)
+            self._tasks.start_soon(self.fetch_ahead, node, limiter, self.prefetch_errors)
+
+    def prefetch_progress(self) -> dict[str, Any]:
+        """Of the prefetches under way or last finished: files and bytes wanted and done."""
+        live = [n for n in self.prefetching if n.linked]
+        return {"files_total": len(live),
+                "files_done": sum(1 for n in live if n.has_data),
+                "bytes_total": sum(n.size for n in live),
+                "bytes_done": sum(self.fetched_bytes(n) for n in live),
+                "failed": sum(1 for n in live if n.ino in self.prefetch_errors),
+                "finished": all(n.has_data or n.ino in self.prefetch_errors for n in live)}
 
     def fetched_bytes(self, node: Inode) -> int:
         """Bytes of a file in the RAM tier (verified so far, while it is fetched)."""
@@ -288,6 +378,7 @@ class Fetcher(Listener):
         end = min(off + size, node.size)
         f = self.fetches.get(node.ino) or self.start(node)
         while not node.has_data and not f.covers(off, end):
+            f.focus = off
             if f.error is not None:
                 raise OSError(errno.EIO, f.error)
             await f.changed.wait()
@@ -307,6 +398,7 @@ class Fetcher(Listener):
         for _ in range(READ_ATTEMPTS):
             f = self.fetches.get(node.ino) or self.start(node)
             while not node.has_data and not f.covers(off, end) and f.error is None:
+                f.focus = off
                 await f.changed.wait()
             if node.has_data:
                 return os.pread(fd, size, off)
@@ -348,4 +440,5 @@ class Fetcher(Listener):
             "errors": self.stats.errors,
             "last_error": self.stats.last_error or None,
             "bytes_by_source": dict(self.sources),
+            "prefetch": self.prefetch_progress(),
         }

@@ -1,8 +1,10 @@
-"""Sizes as people write them (`512MiB`, `8GiB`, `1.5G`) and as mtcfs prints them."""
+"""Sizes as people write them (`512MiB`, `8GiB`, `1.5G`, Kubernetes' `64Gi`) and as
+mtcfs prints them."""
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 
 _UNITS = {
     "": 1,
@@ -28,25 +30,38 @@ class SizeError(ValueError):
 
 
 def parse_size(text: str | int) -> int:
-    """Parse `512MiB`, `8GiB`, `1.5G`, `4096` into bytes (K/M/G/T alone are binary)."""
+    """Parse `512MiB`, `8GiB`, `1.5G`, `4096` into bytes (K/M/G/T alone are binary);
+    what that does not read as a size is read as a Kubernetes quantity (`64Gi`, `1e9`).
+    The result must be a whole number of bytes greater than zero."""
     if isinstance(text, int) and not isinstance(text, bool):
-        value = text
+        value = Decimal(text)
     else:
-        m = _SIZE_RE.match(str(text))
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise SizeError(
-                f"invalid size {text!r}: use a number of bytes or a unit such as 512MiB, 8GiB"
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
+        value = _parse_text(str(text))
     if value <= 0:
         raise SizeError(f"invalid size {text!r}: must be greater than zero")
-    return value
+    if value != value.to_integral_value():
+        raise SizeError(f"invalid size {text!r}: not a whole number of bytes "
+                        "(give a unit, e.g. 1536MiB or 1.5GiB)")
+    return int(value)
+
+
+def _parse_text(text: str) -> Decimal:
+    m = _SIZE_RE.match(text)
+    if m and m.group(2).lower() in _UNITS:
+        return Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+    from kubernetes.utils import parse_quantity  # Ki, Mi, Gi, Ti, Pi, Ei, exponents
+
+    try:
+        return Decimal(parse_quantity(text.strip()))
+    except (ValueError, TypeError, InvalidOperation):
+        raise SizeError(
+            f"invalid size {text!r}: use a number of bytes or a unit such as 512MiB, 8GiB "
+            "(or a Kubernetes quantity such as 64Gi)") from None
 
 
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+        if round(abs(n), 1) < 1024 or unit == "TiB":  # (not "1024.0 MiB")
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

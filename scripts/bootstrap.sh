@@ -25,20 +25,20 @@ if [ ! -x .venv/bin/python ]; then
     echo "bootstrap: creating .venv"
     "$PY" -m venv .venv
 fi
-# pyfuse3 built against libfuse 3.17 with the KILLPRIV_V2 and passthrough patches
-# (see the script); falls back to stock pyfuse3. A venv built before the
-# passthrough patch (marker .pyfuse3-killpriv-v2) is rebuilt once.
-if [ ! -f .venv/.pyfuse3-passthrough ] && [ -z "${MTCFS_STOCK_PYFUSE3:-}" ]; then
+# pyfuse3 built against libfuse 3.17 with the KILLPRIV_V2, passthrough and fallocate
+# patches (see the script); falls back to stock pyfuse3. A venv built before the
+# fallocate patch (marker .pyfuse3-passthrough or older) is rebuilt once.
+if [ ! -f .venv/.pyfuse3-fallocate ] && [ -z "${MTCFS_STOCK_PYFUSE3:-}" ]; then
     scripts/build_pyfuse3.sh \
-        || echo "bootstrap: warning: using stock pyfuse3 (small writes slower, no FUSE passthrough)" >&2
+        || echo "bootstrap: warning: using stock pyfuse3 (small writes slower, no FUSE passthrough, no fallocate)" >&2
 fi
 stamp=.venv/.mtcfs-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-        || ! .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, crc32c, blake3, mtcfs' 2>/dev/null; then
+        || ! .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, crc32c, blake3, atheris, mtcfs' 2>/dev/null; then
     echo "bootstrap: installing mtcfs and its test dependencies into .venv"
     .venv/bin/pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
     .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, crc32c, blake3, mtcfs' || {
+    .venv/bin/python -c 'import pyfuse3, trio, google_crc32c, crc32c, blake3, atheris, mtcfs' || {
         echo "bootstrap: error: the .venv is incomplete (see pip output above)" >&2
         exit 1
     }

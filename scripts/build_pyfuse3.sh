@@ -10,6 +10,9 @@
 #   `pyfuse3.backing_open(fd)`/`backing_close(id)` and `FileInfo.backing_id`;
 #   reads, writes and mmap of a file opened with a backing id go straight to the
 #   backing file (tests/test_pyfuse3_passthrough.py).
+# - scripts/patches/pyfuse3-fallocate.patch: `Operations.fallocate(fh, mode,
+#   offset, length)`, libfuse's low-level fallocate, which pyfuse3 does not
+#   register (the kernel then answers EOPNOTSUPP to every fallocate()).
 #
 # Debian 12's libfuse 3.14 can do neither, so libfuse 3.17 is built from
 # Debian's own source package (trixie, from the mirror this machine's apt
@@ -26,9 +29,9 @@ cd "$(dirname "$0")/.."
 
 VENV=$PWD/.venv
 PREFIX=$VENV/opt/libfuse
-MARKER=$VENV/.pyfuse3-passthrough
+MARKER=$VENV/.pyfuse3-fallocate
 PYFUSE3_VERSION=3.5.0
-PATCHES=(pyfuse3-killpriv-v2.patch pyfuse3-passthrough.patch)
+PATCHES=(pyfuse3-killpriv-v2.patch pyfuse3-passthrough.patch pyfuse3-fallocate.patch)
 [ -f "$MARKER" ] && exit 0
 
 work=$(mktemp -d /tmp/mtcfs-pyfuse3.XXXXXX)
@@ -64,13 +67,18 @@ for p in "${PATCHES[@]}"; do
     patch -s -p1 -d "$work/pyfuse3-$PYFUSE3_VERSION" < "scripts/patches/$p"
 done
 rm -f "$work/pyfuse3-$PYFUSE3_VERSION/src/pyfuse3/__init__.c"  # generated from the patched .pyx
+# Built into a wheel first and installed last: the pyfuse3 in place keeps working
+# (daemons of this venv keep starting) until the one-second swap.
 PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig LDFLAGS="-Wl,-rpath,$PREFIX/lib" \
 SETUPTOOLS_SCM_PRETEND_VERSION=$PYFUSE3_VERSION \
-    pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+    pip wheel -q --disable-pip-version-check --no-deps -w "$work/wheel" \
     "$work/pyfuse3-$PYFUSE3_VERSION"
+step "installing it"
+pip install -q --disable-pip-version-check --force-reinstall --no-deps "$work"/wheel/pyfuse3-*.whl
 so=$(echo "$VENV"/lib/python3*/site-packages/pyfuse3/*.so)
 ldd "$so" | grep "$PREFIX" >/dev/null  # not grep -q: ldd may fail on the closed pipe
 grep -q backing_open "$so"  # the passthrough patch is in
-rm -f "$VENV/.pyfuse3-killpriv-v2"  # the marker of the build before the passthrough patch
+grep -q fuse_fallocate "$so"  # the fallocate patch is in
+rm -f "$VENV/.pyfuse3-killpriv-v2" "$VENV/.pyfuse3-passthrough"  # markers of earlier builds
 touch "$MARKER"
 step "ok"

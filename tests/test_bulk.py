@@ -12,6 +12,7 @@ halfway through a restore.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ import google_crc32c
 import grpc
 import pytest
 
-from mtcfs.checksums import BLOCK, pack_crcs
+from mtcfs.core.checksums import BLOCK, pack_crcs
 from mtcfs.peer import bulk
 from mtcfs.peer.bulk import HEADER, BulkPool, BulkServer, Keys
 from mtcfs.peer.server import Refused
@@ -130,44 +131,174 @@ def raw_session(server: BulkServer) -> bulk.Conn:
     return bulk.client_handshake(sock, Keys(TOKEN))
 
 
-@pytest.mark.parametrize("piece", [1000, 64 * 1024 + 7])
-def test_a_block_in_small_pieces_lands_whole(tmp_path, piece):
-    """A block that arrives in many small segments: the receiver's pipe fills its
-    slots before the file's next MiB boundary and writes what it holds, then goes on.
-    The bytes land whole, at their offsets, and their digest and crc32c are right."""
+def session_pair(encrypt: bool = False) -> tuple[bulk.Conn, bulk.Conn, socket.socket,
+                                                 socket.socket]:
+    """Two ends of one authenticated connection over a socketpair (no handshake)."""
     a, b = socket.socketpair()
-    key = Keys(TOKEN).session(b"s" * 32, b"c" * 32)
-    sender = bulk.Conn(a, key, client=True)
-    receiver = bulk.Conn(b, key, client=False)
+    keys = Keys(TOKEN, encrypt).session(b"s" * 32, b"c" * 32)
+    return (bulk.Conn(a, keys, client=True, encrypt=encrypt),
+            bulk.Conn(b, keys, client=False, encrypt=encrypt), a, b)
+
+
+def send_frame(c: bulk.Conn, kind: bytes, off: int, body: bytes, seq: int | None = None,
+               tag_body: bytes | None = None) -> None:
+    """A frame as the genuine sender would tag it (as frame `seq`, over `tag_body`),
+    carrying `body`: what an attacker on the path can make of genuine frames."""
+    tag, sealed = c.out.seal(c.sent if seq is None else seq, kind, off,
+                             body if tag_body is None else tag_body)
+    c.sent += 1
+    c.sock.sendall(HEADER.pack(kind, off, len(body), tag) + bytes(sealed if tag_body is None
+                                                                  else body))
+
+
+def land(receiver: bulk.Conn, fd: int, spans: list[tuple[int, int]]) -> list[tuple]:
+    with ThreadPoolExecutor(2) as verifier:
+        return list(receiver.land_blocks(fd, spans, verifier))
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["gmac", "encrypted"])
+@pytest.mark.parametrize("piece", [1000, 64 * 1024 + 7])
+def test_a_block_in_small_pieces_lands_whole(tmp_path, piece, encrypt):
+    """Blocks that arrive in many small segments land whole, at their offsets, with
+    the right crc32c, in both modes."""
+    sender, receiver, a, _ = session_pair(encrypt)
     data = blob(piece, 2 * BLOCK - 12345)
     spans = bulk.spans(0, len(data))
 
     def send() -> None:
         for off, n in spans:
-            block = data[off:off + n]
-            mac = sender._mac(sender.out_dir, sender.sent, bulk.DATA, off, block)
+            tag, sealed = sender.out.seal(sender.sent, bulk.DATA, off, data[off:off + n])
             sender.sent += 1
-            a.sendall(HEADER.pack(bulk.DATA, off, n, mac))
+            a.sendall(HEADER.pack(bulk.DATA, off, n, tag))
+            body = bytes(sealed)
             for i in range(0, n, piece):  # a segment each (a Unix socket keeps them apart)
-                a.sendall(block[i:i + piece])
+                a.sendall(body[i:i + piece])
 
     t = threading.Thread(target=send)
     t.start()
     fd = os.open(tmp_path / "dest", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.ftruncate(fd, len(data))
-        with ThreadPoolExecutor(2) as verifier:
-            got = list(receiver.land_blocks(fd, spans, verifier))
+        got = land(receiver, fd, spans)
     finally:
         os.close(fd)
         t.join()
         sender.close()
         receiver.close()
-    assert [(off, n) for off, n, _, _ in got] == spans
-    for off, n, digest, crc in got:
-        assert digest == bulk.digest_of(data[off:off + n])
+    assert [(off, n) for off, n, _ in got] == spans
+    for off, n, crc in got:
         assert crc == google_crc32c.value(data[off:off + n])
     assert (tmp_path / "dest").read_bytes() == data
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["gmac", "encrypted"])
+def test_the_wire_carries_the_bytes_in_clear_only_without_encryption(tmp_path, encrypt):
+    """What crosses the network: with --peer-encryption no stretch of the file's bytes
+    (nor the control message's path) appears on the wire; without it they do (the
+    frames are authenticated only). Either way the receiver gets the exact bytes."""
+    sender, receiver, a, b = session_pair(encrypt)
+    data = blob(77, BLOCK + 4321)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    chunks: list[bytes] = []
+
+    def record() -> None:
+        while chunk := b.recv(1 << 20):
+            chunks.append(chunk)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        sender.send_control({"op": "push", "path": "secret-step/model.pt"})
+        with ThreadPoolExecutor(2) as ahead:
+            assert sum(sender.send_blocks(fd, 0, len(data), ahead=ahead)) == len(data)
+    finally:
+        os.close(fd)
+        a.shutdown(socket.SHUT_WR)
+        recorder.join(10)
+    wire = b"".join(chunks)
+    sample = data[BLOCK // 2:BLOCK // 2 + 64]
+    assert (sample in wire) is not encrypt
+    assert (b"secret-step/model.pt" in wire) is not encrypt
+    # The recorded stream, replayed into a fresh receiver of the same keys: exact bytes.
+    c, d = socket.socketpair()
+    keys = Keys(TOKEN, encrypt).session(b"s" * 32, b"c" * 32)
+    replay = bulk.Conn(d, keys, client=False, encrypt=encrypt)
+    feeder = threading.Thread(target=lambda: (c.sendall(wire), c.close()))
+    feeder.start()
+    assert replay.recv_control() == {"op": "push", "path": "secret-step/model.pt"}
+    out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        land(replay, out, bulk.spans(0, len(data)))
+    finally:
+        os.close(out)
+        feeder.join(10)
+    assert (tmp_path / "out").read_bytes() == data
+
+
+@pytest.mark.parametrize("attack", ["flipped bit", "replayed block", "reordered",
+                                    "other connection", "header changed", "truncated"])
+def test_a_forged_block_is_rejected_and_nothing_of_it_is_written(tmp_path, attack):
+    """Frames made from genuine ones, as an attacker on the path could: a bit flipped in
+    the body, a block sent again, two swapped, a block from another connection (other
+    nonces: other keys), a header whose offset moved, a block cut short by a closed
+    connection. Each is rejected before it counts, and not a byte of it is written."""
+    sender, receiver, a, _ = session_pair()
+    data = blob(88, 2 * BLOCK)
+    b0, b1 = data[:BLOCK], data[BLOCK:]
+
+    def frame(seq: int, off: int, body: bytes, tagged: bytes | None = None,
+              tag_off: int | None = None, by: bulk.Conn = sender) -> bytes:
+        tag, _ = by.out.seal(seq, bulk.DATA, off if tag_off is None else tag_off,
+                             body if tagged is None else tagged)
+        return HEADER.pack(bulk.DATA, off, len(body), tag) + body
+
+    if attack == "flipped bit":
+        bad = bytearray(b0)
+        bad[777] ^= 0x04
+        wire = [frame(0, 0, bytes(bad), tagged=b0)]
+    elif attack == "replayed block":
+        # The genuine frame 0, then frame 0 again moved to where block 1 is due.
+        wire = [frame(0, 0, b0), frame(0, BLOCK, b0, tag_off=0)]
+    elif attack == "reordered":
+        # Frame 1 first, its header moved to where block 0 is due (else refused there).
+        wire = [frame(1, 0, b1, tag_off=BLOCK), frame(0, 0, b0)]
+    elif attack == "other connection":
+        other = Keys(TOKEN).session(b"S" * 32, b"C" * 32)
+        wire = [frame(0, 0, b0, by=bulk.Conn(socket.socketpair()[0], other, client=True))]
+    elif attack == "header changed":
+        wire = [frame(0, 0, b0, tag_off=BLOCK)]  # tagged for offset BLOCK
+    else:  # truncated: the connection closes a third of the way into the block
+        wire = [frame(0, 0, b0)[:HEADER.size + BLOCK // 3]]
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the receiver may hang up first
+            for w in wire:
+                a.sendall(w)
+        a.close()
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    fd = os.open(tmp_path / "dest", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, len(data))
+    counted: list[tuple] = []
+    try:
+        with pytest.raises((bulk.IntegrityError, bulk.BulkError)) as err, \
+                ThreadPoolExecutor(2) as verifier:
+            for got in receiver.land_blocks(fd, bulk.spans(0, len(data)), verifier):
+                counted.append(got)
+    finally:
+        os.close(fd)
+        receiver.close()
+        sending.join(10)
+    if attack != "truncated":
+        assert isinstance(err.value, bulk.IntegrityError) and "tag" in str(err.value)
+    landed = (tmp_path / "dest").read_bytes()
+    if attack == "replayed block":  # the genuine first block landed; the replay did not
+        assert [(o, n) for o, n, _ in counted] in ([], [(0, BLOCK)])
+        assert landed == b0 + bytes(BLOCK)
+    else:
+        assert counted == [] and landed == bytes(len(data)), attack
 
 
 def test_push_and_fetch(channel, tmp_path):
@@ -190,6 +321,66 @@ def test_push_and_fetch(channel, tmp_path):
     pool.close()
 
 
+def test_encrypted_push_and_fetch(tmp_path):
+    """--peer-encryption on both sides: a replica and a read arrive exact."""
+    host = Host(RamTier(str(tmp_path / "ram"), 64 * MiB))
+    server = BulkServer(host, host.run, Keys(TOKEN, encrypt=True), ("127.0.0.1", 0))
+    server.start()
+    try:
+        data = blob(9, 2 * BLOCK + 99)
+        e = entry_for(data)
+        pool = BulkPool(Keys(TOKEN, encrypt=True), None, 1)
+        assert pool.push(addr(server), write_tmp(tmp_path, data), e, "d/f",
+                         lambda: None) == ("OK", "", True)
+        out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+        pool.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 3,
+                   lambda off, n: None)
+        assert os.pread(out, len(data) + 1, 0) == data
+        assert server.status()["encrypted"] is True
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("server_encrypts", [True, False])
+def test_encryption_on_one_side_only_fails_with_a_clear_error(tmp_path, server_encrypts):
+    host = Host(RamTier(str(tmp_path / "ram"), 64 * MiB))
+    server = BulkServer(host, host.run, Keys(TOKEN, encrypt=server_encrypts),
+                        ("127.0.0.1", 0))
+    server.start()
+    try:
+        data = blob(10, 100)
+        pool = BulkPool(Keys(TOKEN, encrypt=not server_encrypts), None, 1)
+        with pytest.raises(bulk.Mismatch, match="--peer-encryption alike on every host"):
+            pool._open(addr(server))
+        code, details, stored = pool.push(addr(server), write_tmp(tmp_path, data),
+                                          entry_for(data), "d/f", lambda: None)
+        assert (code, stored) == ("UNAVAILABLE", False)
+        assert "peer encryption" in details, details
+        untouched(host)
+    finally:
+        server.stop()
+
+
+def test_an_older_wire_version_fails_with_a_clear_error():
+    """A host of the previous version (BLAKE3 MACs, MTCFSBK1): the handshake stops with
+    an error naming both versions, before any frame."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+
+        def old_server() -> None:
+            s, _ = listener.accept()
+            with s:
+                s.sendall(b"MTCFSBK1" + os.urandom(32))
+                s.recv(1)
+
+        t = threading.Thread(target=old_server, daemon=True)
+        t.start()
+        with pytest.raises(bulk.Mismatch, match="version 1, this host version 2"):
+            BulkPool(Keys(TOKEN), None, 1)._open(listener.getsockname())
+        t.join(5)
+
+
 def test_wrong_token_is_refused_and_changes_nothing(channel, tmp_path):
     host, server = channel
     data = blob(2, 5 * MiB)
@@ -201,17 +392,20 @@ def test_wrong_token_is_refused_and_changes_nothing(channel, tmp_path):
     untouched(host)
 
 
+HELLO = len(bulk.MAGIC) + 1 + 32  # magic, settings, the server's nonce
+
+
 def test_forged_connection_without_the_token(channel):
     host, server = channel
     with socket.create_connection(addr(server), timeout=5) as s:
-        hello = s.recv(40, socket.MSG_WAITALL)
+        hello = s.recv(HELLO, socket.MSG_WAITALL)
         assert hello[:8] == bulk.MAGIC
-        s.sendall(os.urandom(64))  # a nonce and a guessed answer
+        s.sendall(b"\0" + os.urandom(64))  # settings, a nonce and a guessed answer
         assert s.recv(1) == b""  # closed: no answer, no session
         # Frames sent anyway change nothing.
         with pytest.raises(OSError):
             for _ in range(50):
-                s.sendall(HEADER.pack(b"C", 0, 2, b"\0" * 32) + b"{}")
+                s.sendall(HEADER.pack(b"C", 0, 2, b"\0" * 16) + b"{}")
                 time.sleep(0.01)
     wait_until(lambda: server.rejected == 1, 5)
     untouched(host)
@@ -222,14 +416,14 @@ def test_replayed_challenge_answer_is_refused(channel):
     keys = Keys(TOKEN)
     # A genuine peer's handshake, recorded on the wire.
     with socket.create_connection(addr(server), timeout=5) as s:
-        nonce = s.recv(40, socket.MSG_WAITALL)[8:]
+        nonce = s.recv(HELLO, socket.MSG_WAITALL)[9:]
         mine = os.urandom(32)
-        answer = mine + keys.answer(b"client", nonce, mine)
+        answer = b"\0" + mine + keys.answer(b"client", 0, 0, nonce, mine)
         s.sendall(answer)
-        assert s.recv(32, socket.MSG_WAITALL) == keys.answer(b"server", nonce, mine)
+        assert s.recv(32, socket.MSG_WAITALL) == keys.answer(b"server", 0, 0, nonce, mine)
     # Replayed on a new connection: the server's nonce is new, the answer is stale.
     with socket.create_connection(addr(server), timeout=5) as s:
-        assert s.recv(40, socket.MSG_WAITALL)[8:] != nonce
+        assert s.recv(HELLO, socket.MSG_WAITALL)[9:] != nonce
         s.sendall(answer)
         assert s.recv(32) == b""
     wait_until(lambda: server.rejected == 1, 5)
@@ -246,9 +440,9 @@ def test_client_refuses_a_server_without_the_token():
         def impostor() -> None:
             s, _ = listener.accept()
             with s:
-                s.sendall(bulk.MAGIC + os.urandom(32))
-                answer = s.recv(64, socket.MSG_WAITALL)
-                s.sendall(answer[32:])
+                s.sendall(bulk.MAGIC + b"\0" + os.urandom(32))
+                answer = s.recv(65, socket.MSG_WAITALL)
+                s.sendall(answer[33:])
                 s.recv(1)
 
         t = threading.Thread(target=impostor, daemon=True)
@@ -258,9 +452,9 @@ def test_client_refuses_a_server_without_the_token():
         t.join(5)
 
 
-def test_block_with_valid_crc_but_no_valid_mac_is_refused(channel):
+def test_block_with_valid_crc_but_no_valid_tag_is_refused(channel):
     """A bit flipped on the wire, with block crcs that match the flipped bytes: the
-    crc32c check alone would pass; the MAC (over what the sender sent) does not."""
+    crc32c check alone would pass; the tag (over what the sender sent) does not."""
     host, server = channel
     data = bytearray(blob(3, BLOCK))
     sent = bytes(data)
@@ -270,11 +464,9 @@ def test_block_with_valid_crc_but_no_valid_mac_is_refused(channel):
     c.send_control({"op": "push", "path": "d/f",
                     "entry": base64.b64encode(entry_for(flipped).SerializeToString()).decode()})
     assert c.recv_control() == {"ok": True}
-    mac = c._mac(c.out_dir, c.sent, b"B", 0, sent)  # the genuine sender's MAC
-    c.sent += 1
-    c.sock.sendall(HEADER.pack(b"B", 0, len(flipped), mac) + flipped)
+    send_frame(c, b"B", 0, flipped, tag_body=sent)  # the genuine sender's tag
     reply = c.recv_control()
-    assert reply["error"] == "DATA_LOSS" and "MAC" in reply["details"], reply
+    assert reply["error"] == "DATA_LOSS" and "tag" in reply["details"], reply
     c.close()
     untouched(host)
 
@@ -291,10 +483,8 @@ def test_out_of_range_block_is_refused(channel, case):
                  "beyond the end": (2 * BLOCK, data[:BLOCK]),
                  "oversize": (0, data[:BLOCK] + b"x"),
                  "short": (0, data[:100])}[case]
-    mac = c._mac(c.out_dir, c.sent, b"B", off, body)  # a valid MAC: the range is the fault
-    c.sent += 1
     try:
-        c.sock.sendall(HEADER.pack(b"B", off, len(body), mac) + body)
+        send_frame(c, b"B", off, body)  # a valid tag: the range is the fault
         reply = c.recv_control()
         assert reply["error"] == "INVALID_ARGUMENT", reply
     except OSError:
@@ -321,10 +511,31 @@ def test_bad_fetch_is_refused(channel, tmp_path, case):
     c.close()
 
 
-def test_fetched_block_with_bad_mac_is_not_counted(channel, tmp_path):
-    """The reader's side: a block whose MAC does not match is never reported good (it
-    lands in the private file being filled, which no one reads before a block counts),
-    and its digest is not remembered for serving it on."""
+def test_a_copy_evicted_under_a_request_is_not_found_without_a_traceback(channel, tmp_path,
+                                                                        caplog):
+    """A holder asked for a file it dropped a moment ago (evicted while still listed as
+    a holder or a restore source): NOT_FOUND, so the reader asks elsewhere; nothing
+    logged as an unexpected failure."""
+    host, server = channel
+    data = blob(8, BLOCK + 3)
+    e = entry_for(data)
+    pool = BulkPool(Keys(TOKEN), None, 1)
+    assert pool.push(addr(server), write_tmp(tmp_path, data), e, "d/f", lambda: None)[0] == "OK"
+    ino, _ = host.held["f1"]
+    os.unlink(host.ram.path(ino))  # evicted under the request
+    out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    with caplog.at_level("WARNING", logger="mtcfs.peer.bulk"), \
+            pytest.raises(bulk.Remote) as err:
+        pool.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 2,
+                   lambda off, n: None)
+    assert err.value.code == "NOT_FOUND", err.value
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.text
+
+
+def test_a_rotted_block_at_the_holder_is_not_counted(channel, tmp_path):
+    """The reader's side: a holder whose copy rotted sends it with a valid tag (it
+    read the rotted bytes); the block's crc32c against the index fails, so it is
+    never reported good."""
     host, server = channel
     data = blob(6, 2 * BLOCK)
     e = entry_for(data)
@@ -336,35 +547,10 @@ def test_fetched_block_with_bad_mac_is_not_counted(channel, tmp_path):
         f.write(b"\xff")
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
     got: list[tuple[int, int]] = []
-    pool = BulkPool(Keys(TOKEN), None, 1)  # one that knows no digest of the file
-    with pytest.raises(bulk.IntegrityError):
+    with pytest.raises(bulk.IntegrityError, match="crc32c"):
         pool.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 2,
                    lambda off, n: got.append((off, n)))
     assert got == [(0, BLOCK)]  # the good block only
-    assert pool.hashes.get("f1", 1, 0, BLOCK) is not None
-    assert pool.hashes.get("f1", 1, BLOCK, BLOCK) is None
-
-
-def test_a_held_replica_is_served_without_a_pass_for_its_macs(channel, tmp_path):
-    """The digests a push verified on the holder (and computed on the writer) are what
-    later MACs cover: the holder sendfile()s the blocks without reading them first.
-    A rotted block still fails the reader's MAC check (test above)."""
-    host, server = channel
-    data = blob(7, 3 * BLOCK + 5)
-    e = entry_for(data)
-    writer = BulkPool(Keys(TOKEN), None, 1)
-    assert writer.push(addr(server), write_tmp(tmp_path, data), e, "d/f", lambda: None)[0] == "OK"
-    assert writer.hashes.status()["block_digests_kept"] == 4
-    assert server.hashes.status()["block_digests_kept"] == 4
-    reader = BulkPool(Keys(TOKEN), None, 1)
-    out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
-    for _ in range(2):
-        reader.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 4,
-                     lambda off, n: None)
-        assert os.pread(out, len(data) + 1, 0) == data
-    st = server.hashes.status()
-    assert (st["block_digest_hits"], st["block_digest_misses"]) == (8, 0), st
-    assert reader.hashes.status()["block_digests_kept"] == 4  # it can serve them alike
 
 
 # -- real daemons --------------------------------------------------------------------------------
@@ -425,6 +611,55 @@ def test_striped_restore_reads_from_every_holder(make_cluster):
     assert set(by_source) == {c[h].node_id for h in holders}, by_source
     assert sum(by_source.values()) == len(data), by_source
     assert s["bulk_fetched_bytes"] == len(data) and s["integrity_errors"] == 0, s
+
+
+def test_a_ranged_read_far_into_a_remote_file_is_served_first(make_cluster):
+    """A resharded load reads slices of other hosts' files: a read near the end of a
+    large file that is not here is served once its own stripe arrived, not after
+    everything before it (the fetch goes on from there, then fills the rest)."""
+    c = make_cluster(3, replicas=1)
+    size = 512 * MiB
+    data = write(c["a"], "r/big", b"".join(blob(61 + i, 64 * MiB) for i in range(8)))
+    _, reader = holders_and_reader(c, "r/big")
+    knows_data_ports(c[reader])
+    m = c[reader]
+
+    def arrived() -> int:
+        return sum(p.stat().st_blocks * 512 for p in data_files(m.ram_dir))
+
+    fd = os.open(m.path / "r/big", os.O_RDONLY)
+    try:
+        off = size - 8 * MiB
+        got = os.pread(fd, 4 * MiB, off)
+        here = arrived()
+        assert got == data[off:off + 4 * MiB]
+        assert here < size // 2, f"{here >> 20} MiB had arrived before the read was served"
+        wait_until(lambda: m.status()["fetch"]["fetching"] == 0 and arrived() >= size, 30,
+                   what="the rest of the file fetched")
+    finally:
+        os.close(fd)
+    assert file_crc(m.path / "r/big") == crc_of(data)
+
+
+def test_opening_one_file_of_a_remote_step_fetches_the_others_ahead(make_cluster):
+    """A load on a host that holds none of a step reads its files one after the other:
+    the first open of one of them starts fetching the step's other files (those live
+    peers hold) in the background, so they are here, or under way, when opened."""
+    c = make_cluster(3, replicas=1)
+    shards = {f"step_7/__{i}_0.distcp": blob(70 + i, 8 * MiB + i) for i in range(4)}
+    for rel, data in shards.items():
+        write(c["a"], rel, data)
+    write(c["a"], "step_7/.metadata", b"meta")  # the commit marker, last
+    _, reader = holders_and_reader(c, "step_7/__3_0.distcp")
+    m = c[reader]
+    knows_data_ports(m)
+    with open(m.path / "step_7/__0_0.distcp", "rb") as f:
+        assert f.read(4096) == shards["step_7/__0_0.distcp"][:4096]
+    # Never opened on the reader, each of the others arrives whole and verified.
+    want = {crc_of(d) for d in shards.values()}
+    wait_until(lambda: want <= {file_crc(p) for p in data_files(m.ram_dir)}, 30,
+               what="the step's other shards fetched ahead")
+    assert m.status()["fetch"]["integrity_errors"] == 0
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The `mtcfs` command line (DESIGN.md, "Command line"): exit status 0 on
+"""The `mtcfs` command line (docs/usage.md): exit status 0 on
 success, 2 for usage errors, 1 for other failures, one clear line on stderr,
 and bad input refused before anything is mounted."""
 
@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mtcfs.config import mount_entry
+from mtcfs.probes import process_alive
 
 from support.mounts import force_unmount, mtcfs
 
@@ -23,6 +25,7 @@ MOUNT_OPTIONS = (
     "--ram-dir", "--ram-size", "--node-id", "--listen", "--peers", "--peers-file",
     "--replicas", "--token-file", "--insecure", "--bucket", "--gcs-endpoint", "--persist",
     "--keep-steps", "--fsync", "--metrics-port", "--log-level", "--config", "-o", "--daemon",
+    "--huge-pages",
 )
 COMMANDS = ("mount", "umount", "status", "persist", "prefetch", "steps", "demo", "csi",
             "controller", "discover")
@@ -35,13 +38,6 @@ def one_line(stderr: str) -> str:
     assert lines[0].startswith("mtcfs"), lines[0]
     return lines[0]
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 class Daemons:
@@ -82,9 +78,9 @@ class Daemons:
                 force_unmount(str(mp))
             if pid is not None:
                 deadline = time.monotonic() + 10
-                while _pid_alive(pid) and time.monotonic() < deadline:
+                while process_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                if _pid_alive(pid):
+                if process_alive(pid):
                     os.kill(pid, signal.SIGKILL)
 
 
@@ -100,7 +96,7 @@ def daemons(tmp_path: Path, ram_root: Path) -> Iterator[Daemons]:
 # -- usage errors: exit 2, one line, nothing mounted --------------------------
 
 
-@pytest.mark.parametrize("size", ["abc", "-5", "0", "12XB"])
+@pytest.mark.parametrize("size", ["abc", "-5", "0", "12XB", "1.5", "1", "1MiB", "0.5Ki"])
 def test_bad_ram_size(tmp_path, ram_root, size):
     mp = tmp_path / "mp"
     mp.mkdir()
@@ -420,6 +416,8 @@ def test_umount_busy(mnt):
         assert r.returncode == 1
         line = one_line(r.stderr)
         assert "busy" in line and str(mnt.path) in line
+        # Who holds it: the squatter, by pid and name.
+        assert f"pid {squatter.pid} sleep (working directory)" in line, line
         # Still mounted and working.
         assert mnt.proc.poll() is None
         (mnt.path / "sub" / "f").write_bytes(b"ok")
@@ -461,3 +459,268 @@ def test_umount_dead_mount(mnt):
     assert "cleaned up" in r.stdout
     assert mount_entry(str(mnt.path)) is None
     assert os.path.isdir(mnt.path)
+
+
+# -- bad input and leftovers -----------------------------------------------------
+
+
+def ram_mounts_under(root: Path) -> list[str]:
+    """Mount points below `root` in /proc/self/mountinfo (a RAM tier's tmpfs left over)."""
+    from mtcfs.mountinfo import mountinfo
+
+    return [e.mount_point for e in mountinfo() if e.mount_point.startswith(f"{root}/")]
+
+
+def super_options(path: Path) -> set[str]:
+    """The superblock options /proc/self/mountinfo shows for the mount at `path`."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(path):
+            return set(fields[fields.index("-") + 3].split(","))
+    raise AssertionError(f"{path} is not a mount point")
+
+
+def listening_socket(port: int = 0) -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_ram_size_larger_than_memory_leaves_no_ram_dir(tmp_path, ram_root):
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    ram_dir = ram_root / "ram"
+    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir), "--ram-size", "999Ti")
+    assert r.returncode == 2, r
+    assert "--ram-size" in one_line(r.stderr)
+    assert not ram_dir.exists(), "a RAM dir was created for a refused mount"
+
+
+def test_kubernetes_quantities(daemons, tmp_path):
+    from mtcfs.sizes import parse_size
+
+    assert parse_size("64Gi") == 64 << 30 and parse_size("512Mi") == 512 << 20
+    assert parse_size("1e9") == 10**9 and parse_size("8GiB") == 8 << 30
+    assert parse_size("1.5Gi") == 3 << 29
+    mp, ram_dir = daemons.paths("k8s")
+    r = daemons.mount(mp, ram_dir, "--ram-size", "512Mi")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(mtcfs("status", str(mp), "--json", check=True).stdout)
+    assert st["ram"]["capacity"] == 512 << 20
+
+
+def test_nonempty_mountpoint(daemons, ram_root):
+    mp, ram_dir = daemons.paths("full")
+    (mp / "precious").write_bytes(b"keep me")
+    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir))
+    assert r.returncode == 2, r
+    line = one_line(r.stderr)
+    assert "not empty" in line and "'precious'" in line and "-o nonempty" in line
+    assert mount_entry(str(mp)) is None and not ram_dir.exists()
+    # Asked for explicitly: mounted over it, the file hidden meanwhile, back afterwards.
+    r = daemons.mount(mp, ram_dir, "-o", "nonempty")
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(mp) == []
+    assert mtcfs("umount", str(mp)).returncode == 0
+    assert (mp / "precious").read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_busy_listen_port(tmp_path, ram_root, log_format):
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    ram_dir = ram_root / "ram"
+    with listening_socket() as busy:
+        port = busy.getsockname()[1]
+        r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir), "--daemon", "--insecure",
+                  "--listen", f"127.0.0.1:{port}", "--data-listen", "127.0.0.1:0",
+                  "--log-format", log_format)
+    assert r.returncode == 2, r
+    line = one_line(r.stderr)  # no gRPC line asking for GRPC_VERBOSITY
+    assert "--listen" in line and f"port {port} is already in use" in line, line
+    assert mount_entry(str(mp)) is None
+    assert not ram_dir.exists() and ram_mounts_under(ram_root) == []
+
+
+def test_data_port_collision(tmp_path, ram_root):
+    """Two daemons on one machine with --listen P and P+1: the data channel's default
+    port (the --listen port + 1) is the other's gRPC port."""
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    ram_dir = ram_root / "ram"
+    for _ in range(20):  # a free port whose successor is free too
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65535:
+            try:
+                other = listening_socket(port + 1)
+                break
+            except OSError:
+                continue
+    with other:
+        r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir), "--daemon", "--insecure",
+                  "--listen", f"127.0.0.1:{port}")
+        assert r.returncode == 2, r
+        line = one_line(r.stderr)
+        assert f"port {port + 1}" in line and "--data-listen" in line and "in use" in line
+        r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir), "--daemon", "--insecure",
+                  "--listen", f"127.0.0.1:{port}", "--data-listen", f"127.0.0.1:{port + 1}")
+        assert r.returncode == 2, r
+        assert f"--data-listen 127.0.0.1:{port + 1}" in one_line(r.stderr)
+    assert mount_entry(str(mp)) is None
+    assert not ram_dir.exists() and ram_mounts_under(ram_root) == []
+
+
+@pytest.mark.parametrize("existing_ram_dir", [False, True])
+def test_failed_mount_leaves_nothing(tmp_path, ram_root, existing_ram_dir):
+    """An unreachable bucket fails the mount after the RAM tier's tmpfs was made: it
+    is unmounted again, and the RAM dir removed if this mount created it."""
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    ram_dir = ram_root / "ram"
+    if existing_ram_dir:
+        ram_dir.mkdir()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+    r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir), "--daemon", "--data-path",
+              "passthrough", "--bucket", "gs://nobody-home", "--gcs-endpoint",
+              f"http://127.0.0.1:{dead}", timeout=120)
+    assert r.returncode == 1, r
+    assert "cannot reach" in one_line(r.stderr)
+    assert mount_entry(str(mp)) is None
+    assert ram_mounts_under(ram_root) == []
+    assert ram_dir.exists() == existing_ram_dir
+
+
+def test_umount_says_what_stays_and_release(daemons):
+    mp, ram_dir = daemons.paths("rel")
+    data = os.urandom(3 << 20)
+    r = daemons.mount(mp, ram_dir, "--data-path", "passthrough", "--ram-size", "256MiB")
+    assert r.returncode == 0, r.stderr
+    (mp / "only-here").write_bytes(data)
+    r = mtcfs("umount", str(mp))
+    assert r.returncode == 0, r.stderr
+    assert f"tmpfs {ram_dir}/data stays mounted" in r.stdout and "--release" in r.stdout
+    assert ram_mounts_under(ram_dir) == [f"{ram_dir}/data"]
+
+    # Re-adopted by the next daemon; --release refuses while the file's only copy is here.
+    r = daemons.mount(mp, ram_dir, "--data-path", "passthrough", "--ram-size", "256MiB")
+    assert r.returncode == 0, r.stderr
+    r = mtcfs("umount", "--release", str(mp))
+    assert r.returncode == 1, r
+    assert "only copy" in one_line(r.stderr) and "--force" in r.stderr
+    assert (mp / "only-here").read_bytes() == data  # still mounted, nothing lost
+
+    # The daemon gone: the records say the same.
+    assert mtcfs("umount", str(mp)).returncode == 0
+    r = mtcfs("umount", "--release", str(mp), "--ram-dir", str(ram_dir))
+    assert r.returncode == 1, r
+    assert "only copy" in one_line(r.stderr)
+    assert ram_mounts_under(ram_dir) == [f"{ram_dir}/data"]
+    r = mtcfs("umount", "--release", "--force", str(mp), "--ram-dir", str(ram_dir))
+    assert r.returncode == 0, r.stderr
+    assert "released" in r.stdout
+    assert ram_mounts_under(ram_dir) == [] and not ram_dir.exists()
+
+
+def test_umount_release_once_persisted(daemons, tmp_path):
+    """Persisted, the data is safe elsewhere: --release gives the memory back without
+    --force, the daemon running."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    mp, ram_dir = daemons.paths("persisted")
+    r = daemons.mount(mp, ram_dir, "--data-path", "passthrough", "--ram-size", "256MiB",
+                      "--bucket", f"file://{bucket}", "--persist", "on-close")
+    assert r.returncode == 0, r.stderr
+    (mp / "f").write_bytes(b"persist me")
+    r = mtcfs("umount", "--wait", "--release", str(mp))
+    assert r.returncode == 0, r.stderr
+    assert "released" in r.stdout
+    assert ram_mounts_under(ram_dir) == [] and not ram_dir.exists()
+    assert mount_entry(str(mp)) is None
+    assert b"persist me" in [p.read_bytes() for p in bucket.rglob("*") if p.is_file()]
+
+
+def test_controller_bad_kubeconfig(tmp_path):
+    r = mtcfs("controller", "--once", "--kubeconfig", str(tmp_path / "missing"))
+    assert r.returncode == 2
+    assert "not found" in one_line(r.stderr)
+    for body in ("not: [a kubeconfig\n", "hello: 1\n", "\x00\x01binary"):
+        bad = tmp_path / "bad"
+        bad.write_text(body)
+        r = mtcfs("controller", "--once", "--kubeconfig", str(bad))
+        assert r.returncode == 2, (body, r)
+        assert "Traceback" not in r.stderr
+        line = one_line(r.stderr)
+        assert "--kubeconfig" in line and "not a usable kubeconfig" in line, line
+
+
+@pytest.mark.parametrize("auth", ["insecure", "token"])
+def test_peer_auth_shown(daemons, tmp_path, auth):
+    mp, ram_dir = daemons.paths(auth)
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    how = ("--insecure",) if auth == "insecure" else ("--token-file", str(token))
+    r = daemons.mount(mp, ram_dir, "--listen", f"127.0.0.1:{port}",
+                      "--data-listen", "127.0.0.1:0", *how)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(mtcfs("status", str(mp), "--json", check=True).stdout)
+    mode = "none" if auth == "insecure" else "token"
+    assert st["peer_auth"] == {"mode": mode, "tls": False, "encryption": False}
+    out = mtcfs("status", str(mp), check=True).stdout
+    assert "peer auth" in out and ("none (--insecure)" if auth == "insecure" else "token") in out
+    logged = (ram_dir / "mtcfs.log").read_text()
+    assert ("WARNING" in logged and "--insecure" in logged) == (auth == "insecure")
+
+
+@pytest.mark.parametrize("setting", ["always", "never", "auto"])
+def test_huge_pages(daemons, tmp_path, setting):
+    mp, ram_dir = daemons.paths(setting)
+    cfg = tmp_path / "hp.toml"
+    cfg.write_text(f'huge-pages = "{setting}"\n')
+    args = ("--config", str(cfg)) if setting == "never" else ("--huge-pages", setting)
+    r = daemons.mount(mp, ram_dir, "--data-path", "passthrough", "--ram-size", "256MiB", *args)
+    assert r.returncode == 0, r.stderr
+    (mp / "f").write_bytes(b"x" * (4 << 20))
+    hp = json.loads(mtcfs("status", str(mp), "--json", check=True).stdout)["huge_pages"]
+    opts = super_options(ram_dir / "data")
+    assert hp["setting"] == setting and hp["in_use"] == ("huge=within_size" in opts)
+    if setting == "always":
+        assert "huge=within_size" in opts and hp["probe"] is None
+    elif setting == "never":
+        assert not any(o.startswith("huge=") for o in opts) and hp["probe"] is None
+    else:
+        probe = hp["probe"]
+        assert probe["bytes"] == 64 << 20
+        assert probe["huge_ms_per_mib"] > 0 and probe["small_ms_per_mib"] > 0
+        assert probe["chosen"] == ("within_size" if hp["in_use"] else "never")
+        # The choice and its figures, in the daemon's "mounted" line.
+        assert "(--huge-pages auto; first touch " in (ram_dir / "mtcfs.log").read_text()
+    assert (mp / "f").read_bytes() == b"x" * (4 << 20)
+    assert mtcfs("umount", "--release", "--force", str(mp)).returncode == 0
+    assert ram_mounts_under(ram_dir) == []
+
+
+def test_bad_huge_pages(tmp_path, ram_root):
+    assert_refused_before_mount(tmp_path, ram_root, ("--huge-pages", "sometimes"),
+                                "'sometimes' is not one of")
+
+
+def test_busy_metrics_port(tmp_path, ram_root):
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    ram_dir = ram_root / "ram"
+    with listening_socket() as busy:
+        port = busy.getsockname()[1]
+        r = mtcfs("mount", str(mp), "--ram-dir", str(ram_dir), "--daemon",
+                  "--metrics-port", str(port), "--metrics-address", "127.0.0.1")
+    assert r.returncode == 2, r
+    assert f"--metrics-port {port}: port {port} is already in use" in one_line(r.stderr)
+    assert mount_entry(str(mp)) is None
+    assert not ram_dir.exists() and ram_mounts_under(ram_root) == []

@@ -350,3 +350,56 @@ def test_hard_links_across_hosts_and_in_the_bucket(make_cluster, tmp_path):
     assert (bucket / "g").read_bytes() == data
     time.sleep(0.5)
     assert (b.path / "g").read_bytes() == data
+
+
+def _withdrawn_for_bs_lost_file(c) -> MtcfsMount:
+    """Step 1 with a file of a and one of b (its only copy), committed; b crashes:
+    withdrawn on a, which is returned."""
+    c.define("b", replicas=0)  # b keeps its file's only copy
+    c.start("a", "b")
+    a, b = c["a"], c["b"]
+    (a.path / "step_1").mkdir()
+    (a.path / "step_1" / "a0").write_bytes(blob(1, 100_000))
+    # a's mkdir reaches b by the index, a moment later (CI once wrote before it came)
+    wait_until(lambda: (b.path / "step_1").is_dir(), timeout=10, what="step_1 on b")
+    (b.path / "step_1" / "b0").write_bytes(blob(2, 100_000))
+    wait_until(lambda: (a.path / "step_1" / "b0").exists(), timeout=10, what="b0 on a")
+    (a.path / "step_1" / "commit_success.txt").write_bytes(b"ok")
+    c.kill9("b")
+    wait_until(lambda: "step_1.mtcfs-withdrawn" in os.listdir(a.path), timeout=40,
+               what="step 1 withdrawn")
+    return a
+
+
+@pytest.mark.slow
+def test_a_withdrawn_step_whose_lost_file_was_removed_stays_withdrawn(make_cluster):
+    """Reinstating a step needs its lost files back. A 30-minute chaos run saw a lost
+    file removed (an old step's retention), the rest of its withdrawn step all with
+    copies, and the step reinstated: its marker went to the bucket beside a missing
+    shard."""
+    c = make_cluster(2, replicas=1, start=False)
+    a = _withdrawn_for_bs_lost_file(c)
+    os.unlink(a.path / "step_1.mtcfs-withdrawn" / "b0")  # the lost file goes
+    time.sleep(16)  # REINSTATE_AFTER (10 s) and passes
+    assert "step_1.mtcfs-withdrawn" in os.listdir(a.path), os.listdir(a.path)
+    assert "reinstated" not in a.log()
+
+
+@pytest.mark.slow
+def test_a_withdrawn_step_is_reinstated_once_its_lost_file_is_back_and_persisted(
+        make_cluster, tmp_path):
+    """b comes back over its intact RAM dir: its file is back, and once it is in the
+    bucket (a holder entry alone may be stale) the step gets its names back."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    c = make_cluster(2, replicas=1, start=False,
+                     extra=("--bucket", f"file://{bucket}", "--persist", "manual"))
+    a = _withdrawn_for_bs_lost_file(c)
+    b = c.restart("b")  # its RAM dir intact: b0 is back, not in the bucket yet
+    time.sleep(14)  # REINSTATE_AFTER (10 s) and passes: held only by b
+    assert "step_1.mtcfs-withdrawn" in os.listdir(a.path)
+    r = mtcfs("persist", str(b.path), "step_1.mtcfs-withdrawn", "--wait", timeout=120)
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: "step_1" in os.listdir(a.path), timeout=40, what="step 1 reinstated")
+    assert (a.path / "step_1" / "commit_success.txt").read_bytes() == b"ok"
+    assert (a.path / "step_1" / "b0").read_bytes() == blob(2, 100_000)

@@ -16,7 +16,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from mtcfs.checksums import (
+from mtcfs.core.checksums import (
     CHUNK_META_KEY,
     IntegrityError,  # every integrity failure (the durable tier's are a subclass)
     chunk_crcs_of_fd,

@@ -1,7 +1,7 @@
 """Property: eviction never drops the only copy of anything.
 
 A cluster of hosts is simulated around the real eviction rules
-(`mtcfs.lifecycle.copies.Copies`, the rules `SpaceManager` applies to every
+(`mtcfs.core.copies.Copies`, the rules `SpaceManager` applies to every
 victim) and real `Inode` records: each host has its own, possibly stale, view
 of each file (holders, persisted, writer), updated only by messages that
 arrive late and in any order between hosts, as the replicated index's
@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mtcfs.fs.namespace import CLOSED, Inode
-from mtcfs.lifecycle.copies import OWN, Copies
+from mtcfs.core.copies import OWN, Copies
+from mtcfs.core.namespace import CLOSED, Inode
 
 HOSTS = ("h0", "h1", "h2")
 FILES = ("f0", "f1")

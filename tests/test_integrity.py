@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtcfs.checksums import (
+from mtcfs.core.checksums import (
     BLOCK,
     StreamingCrc,
     block_count,
@@ -211,7 +211,8 @@ def test_truncate() -> None:
 # -- one pass over an fd ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, SMALL, 10 * SMALL + 3, BLOCK, 2 * BLOCK + 17])
+@pytest.mark.parametrize("size", [0, 1, SMALL, 10 * SMALL + 3, 40 * SMALL + 5, BLOCK,
+                                  2 * BLOCK + 17])
 def test_block_crcs_of_fd(tmp_path, size: int) -> None:
     data = os.urandom(size)
     path = tmp_path / "f"
@@ -314,7 +315,7 @@ def test_throughput_report() -> None:
 def test_chunk_crcs_derive_from_block_crcs(tmp_path):
     """An object's chunk crcs (durable tier) follow from the file's block crcs (RAM tier,
     peers) without reading the data again: one scheme."""
-    from mtcfs.checksums import chunk_crcs_from_blocks, chunk_crcs_of_fd
+    from mtcfs.core.checksums import chunk_crcs_from_blocks, chunk_crcs_of_fd
 
     for size in (0, 1, BLOCK - 1, BLOCK, 16 * BLOCK + 5, 300 * BLOCK + 17):
         p = tmp_path / f"f{size}"

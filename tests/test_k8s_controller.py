@@ -4,7 +4,9 @@ No real Kubernetes API server runs here: every test talks, through the official
 client over HTTP, to the in-memory API server of tests/support/k8s_api.py (objects,
 resourceVersions, finalizers, status subresource, watch; no workload
 controllers, so tests set a DaemonSet's status themselves, as the DaemonSet
-controller would).
+controller would). Each test's API server holds what deploy/base installs
+besides the controller (the peer-token Secret); with `Rbac` it also refuses
+what the shipped Roles do not allow, as a real API server would.
 """
 
 from __future__ import annotations
@@ -30,17 +32,26 @@ from mtcfs.k8s.controller import CPCS, Controller
 from mtcfs.k8s.kube import Kube, api_client_for
 from mtcfs.k8s.leader import LeaderElector
 
-from support.k8s_api import FakeApiServer, fake_api
+from support.k8s_api import FakeApiServer, Rbac, fake_api, shipped
 
 NS = "mtcfs-system"
 G = "mtcfs.dev"
 P = "checkpointconfigurations"
 
 
+
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     with fake_api() as srv:
+        for secret in shipped("Secret"):
+            srv.put("", "secrets", secret)
         yield srv
+
+
+def tokens(api: FakeApiServer) -> dict[str, str]:
+    secret = api.get("", "secrets", o.TOKENS_SECRET, NS)
+    assert secret is not None
+    return secret.get("data") or {}
 
 
 @pytest.fixture
@@ -105,10 +116,10 @@ def ds_ready(api: FakeApiServer, name: str, nodes: int, updated: int | None = No
 # -- create ---------------------------------------------------------------------------
 
 
-def test_cpc_becomes_daemonsets_driver_secret_rbac(api: FakeApiServer, kube: Kube,
-                                                   ctl: Controller) -> None:
+def test_cpc_becomes_daemonsets_driver_token(api: FakeApiServer, kube: Kube,
+                                             ctl: Controller) -> None:
     created = create_cpc(kube, "pool-a", replicas=2, keepSteps=3, fsync="replicas",
-                         dataPath="fuse",
+                         dataPath="fuse", peerEncryption=True,
                          persistPolicy="interval:300")
     uid = created["metadata"]["uid"]
     ctl.reconcile_all()
@@ -131,12 +142,15 @@ def test_cpc_becomes_daemonsets_driver_secret_rbac(api: FakeApiServer, kube: Kub
     assert arg(a, "--keep-steps") == "3"
     assert arg(a, "--fsync") == "replicas"
     assert arg(a, "--data-path") == "fuse"
+    assert "--peer-encryption" in a
     assert arg(a, "--persist") == "interval:300"
     assert arg(a, "--bucket") == "gs://ckpt-bucket"
     assert arg(a, "--peers-file") == o.PEERS_FILE
     assert arg(a, "--listen") == f"$(HOST_IP):{o.PEER_PORT}"
     assert arg(a, "--log-format") == "json"
     assert int(arg(a, "--metrics-port")) in [p["containerPort"] for p in daemon["ports"]]
+    assert arg(a, "--metrics-address") == "$(HOST_IP)"  # hostNetwork: not 0.0.0.0
+    assert pod["serviceAccountName"] == o.NODE_ACCOUNT
     assert daemon["resources"]["requests"]["memory"] == str(64 << 30)
     mounts = {m["name"]: m for m in daemon["volumeMounts"]}
     assert mounts["state"]["mountPropagation"] == "Bidirectional"
@@ -145,15 +159,27 @@ def test_cpc_becomes_daemonsets_driver_secret_rbac(api: FakeApiServer, kube: Kub
     # hostPath, not an emptyDir: the RAM tier outlives a daemon pod restart.
     assert vols["ram"]["hostPath"]["path"] == o.HOST_RAM
     assert vols["state"]["hostPath"]["path"] == o.HOST_ROOT
-    assert vols["token"]["secret"]["secretName"] == "mtcfs-peer-token-pool-a"
+    assert vols["token"]["secret"]["secretName"] == o.TOKENS_SECRET
+    assert vols["token"]["secret"]["items"] == [{"key": "pool-a", "path": "pool-a"}]
+    assert arg(a, "--token-file") == f"{o.TOKEN_DIR}/pool-a"
     disc = container(d, "discover")
     assert disc["restartPolicy"] == "Always"  # a native sidecar
+    assert disc["securityContext"]["runAsNonRoot"] is True
+    assert disc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert arg(disc["args"], "--selector") == o.daemon_selector("pool-a")
     assert arg(disc["args"], "--failure-domain-label") == "topology.kubernetes.io/zone"
 
     c = ds(api, "mtcfs-csi-pool-a")
     assert c is not None
     plugin, registrar = container(c, "csi-plugin"), container(c, "node-driver-registrar")
+    liveness = container(c, "liveness-probe")
+    assert c["spec"]["template"]["spec"]["serviceAccountName"] == o.NODE_ACCOUNT
+    assert "@sha256:" in registrar["image"] and "@sha256:" in liveness["image"]
+    assert registrar["securityContext"]["allowPrivilegeEscalation"] is False
+    # The kubelet probes the sidecar, which calls the plugin's Probe RPC.
+    assert plugin["livenessProbe"]["httpGet"]["port"] == "healthz"
+    assert f"--http-endpoint=:{o.CSI_HEALTH_PORT}" in liveness["args"]
+    assert "limits" not in plugin["resources"]  # no csiEphemeralLimit: no limit
     assert plugin["args"][:3] == ["csi", "--endpoint", "unix:///csi/csi.sock"]
     assert arg(plugin["args"], "--mount-root") == o.HOST_MOUNT
     assert f"--kubelet-registration-path=/var/lib/kubelet/plugins/{DRIVER_NAME}/csi.sock" \
@@ -164,19 +190,14 @@ def test_cpc_becomes_daemonsets_driver_secret_rbac(api: FakeApiServer, kube: Kub
     drv = api.get("storage.k8s.io", "csidrivers", DRIVER_NAME)
     assert drv is not None
     assert drv["spec"] == {"attachRequired": False, "podInfoOnMount": True,
-                           "volumeLifecycleModes": ["Ephemeral"], "fsGroupPolicy": "None"}
-    secret = api.get("", "secrets", "mtcfs-peer-token-pool-a", NS)
-    assert secret is not None
-    assert len(base64.b64decode(secret["data"]["token"])) >= 32
-    role = api.get("rbac.authorization.k8s.io", "clusterroles", "mtcfs-node-pool-a")
-    assert role is not None
-    assert role["rules"][0]["resources"] == ["pods", "nodes"]
-    binding = api.get("rbac.authorization.k8s.io", "clusterrolebindings", "mtcfs-node-pool-a")
-    assert binding is not None
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mtcfs-node-pool-a",
-                                    "namespace": NS}]
-    assert api.get("", "serviceaccounts", "mtcfs-node-pool-a", NS) is not None
-    for obj in (d, c, secret, role, binding):
+                           "volumeLifecycleModes": ["Persistent", "Ephemeral"],
+                           "fsGroupPolicy": "None"}
+    assert len(base64.b64decode(tokens(api)["pool-a"])) >= 32
+    # No RBAC objects: the node pods' account is static (deploy/base/rbac.yaml).
+    assert api.list("rbac.authorization.k8s.io", "clusterroles") == []
+    assert api.list("rbac.authorization.k8s.io", "clusterrolebindings") == []
+    assert api.list("", "serviceaccounts") == []
+    for obj in (d, c):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
 
     got = cpc(api, "pool-a")
@@ -215,8 +236,8 @@ def test_changed_cpc_is_rolled_out(api: FakeApiServer, kube: Kube, ctl: Controll
     create_cpc(kube, "pool-a")
     ctl.reconcile_all()
     before = ds(api, "mtcfsd-pool-a")
-    token = api.get("", "secrets", "mtcfs-peer-token-pool-a", NS)
-    assert before is not None and token is not None
+    token = tokens(api)["pool-a"]
+    assert before is not None
 
     # Nothing changed: a second pass writes nothing at all.
     writes = len(api.log)
@@ -242,7 +263,7 @@ def test_changed_cpc_is_rolled_out(api: FakeApiServer, kube: Kube, ctl: Controll
     assert csi is not None
     assert container(csi, "csi-plugin")["image"] == "mtcfs:new"
     # The peer token is never regenerated (running daemons would lose their peers).
-    assert api.get("", "secrets", "mtcfs-peer-token-pool-a", NS)["data"] == token["data"]
+    assert tokens(api)["pool-a"] == token
 
     got = cpc(api, "pool-a")
     assert got is not None
@@ -309,7 +330,7 @@ def test_peer_token_secret_ref(api: FakeApiServer, kube: Kube, ctl: Controller) 
     vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
     assert vols["token"]["secret"]["secretName"] == "shared"
     assert arg(container(d, "mtcfsd")["args"], "--token-file") == f"{o.TOKEN_DIR}/tok"
-    assert api.get("", "secrets", "mtcfs-peer-token-own-token", NS) is None
+    assert "own-token" not in tokens(api)
     got = cpc(api, "own-token")
     assert got is not None
     assert cond(got, "Degraded")["status"] == "False"
@@ -332,10 +353,7 @@ def test_delete_runs_the_finalizer(api: FakeApiServer, kube: Kube, ctl: Controll
     ctl.reconcile_all()
     assert cpc(api, "a") is None
     assert ds(api, "mtcfsd-a") is None and ds(api, "mtcfs-csi-a") is None
-    assert api.get("", "secrets", "mtcfs-peer-token-a", NS) is None
-    assert api.get("", "serviceaccounts", "mtcfs-node-a", NS) is None
-    assert api.get("rbac.authorization.k8s.io", "clusterroles", "mtcfs-node-a") is None
-    assert api.get("rbac.authorization.k8s.io", "clusterrolebindings", "mtcfs-node-a") is None
+    assert "a" not in tokens(api) and "b" in tokens(api)  # a's token key went with it
     assert ds(api, "mtcfsd-b") is not None
     # The shared CSIDriver stays for b, now owned by b alone.
     drv = api.get("storage.k8s.io", "csidrivers", DRIVER_NAME)
@@ -562,6 +580,35 @@ def test_discovery_writes_peers_and_failure_domains(api: FakeApiServer, kube: Ku
     assert discovery.render_node_config(view).startswith("#")  # n1 has no such label
 
 
+def test_discovery_writes_a_deleted_daemon_out_of_the_peers_file_at_once(
+        api: FakeApiServer, kube: Kube, tmp_path: Path) -> None:
+    """Between passes discovery watches the daemon pods: a deletion starts the next pass
+    at once, long before --interval."""
+    _pods(api)
+    d = discovery.Discovery(kube, "n1", NS, o.daemon_selector("x"), o.PEER_PORT)
+    peers = tmp_path / "peers"
+    stop = threading.Event()
+    t = threading.Thread(target=discovery.run, args=(d, str(peers), None, 60.0, stop),
+                         daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not peers.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_peers_file(str(peers)) == ["10.0.0.2:7466", "10.0.0.3:7466"]
+        time.sleep(0.3)  # the loop is watching now
+        t0 = time.monotonic()
+        api.remove("", "pods", "mtcfsd-x-n3", NS)
+        while (read_peers_file(str(peers)) != ["10.0.0.2:7466"]
+               and time.monotonic() - t0 < 10):
+            time.sleep(0.02)
+        assert read_peers_file(str(peers)) == ["10.0.0.2:7466"]
+        assert time.monotonic() - t0 < 10  # not the 60 s interval
+    finally:
+        stop.set()
+        t.join(timeout=10)
+
+
 def _kubeconfig(tmp_path: Path, url: str) -> str:
     path = tmp_path / "kubeconfig"
     path.write_text(json.dumps({
@@ -608,3 +655,283 @@ def test_hand_made_csidriver_is_left_alone(api: FakeApiServer, ctl: Controller) 
                                              "spec": {"attachRequired": False}})
     ctl.reconcile_all()
     assert api.get("storage.k8s.io", "csidrivers", DRIVER_NAME) is not None
+
+
+# -- least privilege ------------------------------------------------------------------
+
+
+def test_every_controller_call_is_allowed_by_the_shipped_rbac(
+        api: FakeApiServer, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole life of CPCs (create, roll out, status, conflict event, a
+    referenced Secret, delete) plus leader election and the image lookup, with the
+    API server refusing what deploy/base/rbac.yaml does not grant the controller."""
+    from mtcfs.cli.controller import _default_image
+
+    roles = shipped("ClusterRole", "mtcfs-controller") + shipped("Role", "mtcfs-controller")
+    assert roles and all(r["kind"] != "Role" or r["metadata"]["namespace"] == NS
+                         for r in roles)
+    api.authorize = Rbac(roles)
+    api.put("", "nodes", {"metadata": {"name": "n1",
+                                       "labels": {"cloud.google.com/gke-nodepool": "pool-a"}}})
+    api.put("", "pods", {"metadata": {"name": "ctl-0", "namespace": NS},
+                         "spec": {"containers": [{"name": "controller", "image": "img:9"}]}})
+    monkeypatch.delenv("MTCFS_IMAGE", raising=False)
+    monkeypatch.setenv("POD_NAME", "ctl-0")
+    assert _default_image(kube, NS) == "img:9"
+
+    elector = LeaderElector(kube, NS, "mtcfs-controller", "me", lease_duration=3,
+                            renew_deadline=2, retry_period=0.5)
+    assert elector.try_acquire_or_renew() and elector.try_acquire_or_renew()
+    ctl = Controller(kube, NS, "img:9", "me")
+
+    def as_user(fn: Any, *args: Any, **kw: Any) -> Any:
+        """What the operator does (kubectl, with its own rights): not checked."""
+        check, api.authorize = api.authorize, None
+        try:
+            return fn(*args, **kw)
+        finally:
+            api.authorize = check
+
+    as_user(create_cpc, kube, "a")
+    time.sleep(1.1)  # creationTimestamp has one-second resolution: "a" is older
+    # Same nodeSelector, younger: an event, not rolled out.
+    as_user(create_cpc, kube, "a-rival")
+    ctl.reconcile_all()
+    ds_ready(api, "mtcfsd-a", 1)
+    ds_ready(api, "mtcfs-csi-a", 1)
+    as_user(kube.merge_patch, CPCS, "a", {"spec": {"replicas": 2}})
+    ctl.reconcile_all()
+    ds_ready(api, "mtcfsd-a", 1)
+    ds_ready(api, "mtcfs-csi-a", 1)
+    ctl.reconcile_all()
+    assert cond(cpc(api, "a"), "Ready")["status"] == "True"  # type: ignore[arg-type]
+    events = api.list("", "events")
+    assert [e["reason"] for e in events] == ["NodeSelectorConflict"]
+    assert events[0]["metadata"]["namespace"] == NS  # events only in our namespace
+    assert api.denied == []
+
+    # A referenced Secret is readable only once its name is added to the Role.
+    as_user(create_cpc, kube, "own", nodeSelector={"cloud.google.com/gke-nodepool": "own"},
+            peerTokenSecretRef={"name": "own-token", "key": "t"})
+    api.put("", "secrets", {"metadata": {"name": "own-token", "namespace": NS},
+                            "data": {"t": base64.b64encode(b"y" * 32).decode()}})
+    ctl.reconcile_all()
+    deg = cond(cpc(api, "own"), "Degraded")  # type: ignore[arg-type]
+    assert deg["reason"] == "SecretForbidden" and "resourceNames" in deg["message"]
+    assert api.denied == [("get", "", "secrets", NS, "own-token")]
+    api.denied.clear()
+    for role in roles:
+        for rule in role["rules"]:
+            if "secrets" in rule["resources"]:
+                rule["resourceNames"].append("own-token")
+    ctl.reconcile_all()
+    assert cond(cpc(api, "own"), "Ready")["reason"] == "NodesNotReady"  # type: ignore[arg-type]
+
+    for name in ("a", "a-rival", "own"):
+        as_user(kube.delete, CPCS, name)
+    ctl.reconcile_all()
+    assert api.list(G, P) == [] and api.list("apps", "daemonsets") == []
+    assert api.get("storage.k8s.io", "csidrivers", DRIVER_NAME) is None
+    assert tokens(api) == {}
+    elector.release()
+    assert api.denied == []
+
+    # What the controller did touch, to show the check is not vacuous: every verb
+    # of the Roles was used, and nothing outside our namespace but cluster objects.
+    used = {(verb, res) for verb, _, res, _, _ in api.calls}
+    for want in [("create", "daemonsets"), ("update", "daemonsets"), ("delete", "daemonsets"),
+                 ("get", "secrets"), ("patch", "secrets"), ("create", "leases"),
+                 ("update", "leases"), ("create", "events"), ("get", "pods"),
+                 ("list", "nodes"), ("create", "csidrivers"), ("delete", "csidrivers"),
+                 ("patch", "checkpointconfigurations/status"),
+                 ("list", "checkpointconfigurations")]:
+        assert want in used, want
+    assert {ns for _, _, _, ns, _ in api.calls} == {"", NS}
+
+
+def test_node_pods_calls_are_allowed_by_the_shipped_rbac(api: FakeApiServer,
+                                                         kube: Kube) -> None:
+    """Discovery (both scopes) and the CSI plugin's pod read, as the static node
+    account: ClusterRole mtcfs-node."""
+    api.authorize = Rbac(shipped("ClusterRole", "mtcfs-node"))
+    _pods(api)
+    for jobset, want in ((None, ["n2", "n3"]), (("ml", "llama"), ["n2"])):
+        d = discovery.Discovery(kube, "n1", NS, o.daemon_selector("x"), o.PEER_PORT,
+                                jobset=jobset)
+        assert [p.node for p in d.scan().peers] == want
+    from mtcfs.k8s.kube import PODS
+    assert kube.get(PODS, "llama-trainer-0-0-abcde", "ml") is not None  # the CSI lookup
+    assert api.denied == []
+    # And it is least privilege: no writes at all.
+    from kubernetes.client.exceptions import ApiException
+
+    from mtcfs.k8s.kube import SECRETS
+    with pytest.raises(ApiException) as info:
+        kube.get(SECRETS, o.TOKENS_SECRET, NS)
+    assert info.value.status == 403
+    assert api.denied == [("get", "", "secrets", NS, o.TOKENS_SECRET)]
+
+
+# -- csiEphemeralLimit and managed-MTC fields -----------------------------------------
+
+
+@pytest.mark.parametrize(("limit", "want"), [("16Gi", "16Gi"), (16 << 30, str(16 << 30)),
+                                             ("0", None), (None, None)])
+def test_csi_ephemeral_limit_is_applied(api: FakeApiServer, kube: Kube, ctl: Controller,
+                                        limit: Any, want: str | None) -> None:
+    extra = {} if limit is None else {"csiEphemeralLimit": limit}
+    create_cpc(kube, "lim", **extra)
+    ctl.reconcile_all()
+    c = ds(api, "mtcfs-csi-lim")
+    assert c is not None
+    limits = container(c, "csi-plugin")["resources"].get("limits") or {}
+    assert limits.get("ephemeral-storage") == want
+
+
+def test_bad_csi_ephemeral_limit_is_refused(api: FakeApiServer, kube: Kube,
+                                            ctl: Controller) -> None:
+    create_cpc(kube, "bad", csiEphemeralLimit="lots")
+    ctl.reconcile_all()
+    deg = cond(cpc(api, "bad"), "Degraded")  # type: ignore[arg-type]
+    assert deg["reason"] == "InvalidSpec" and "csiEphemeralLimit 'lots'" in deg["message"]
+    assert ds(api, "mtcfs-csi-bad") is None
+
+
+def test_enable_external_jax_process_ids_is_reported_ignored(api: FakeApiServer, kube: Kube,
+                                                             ctl: Controller) -> None:
+    create_cpc(kube, "jax", enableExternalJaxProcessIds=True)
+    ctl.reconcile_all()
+    ready = cond(cpc(api, "jax"), "Ready")  # type: ignore[arg-type]
+    assert "ignored (no meaning for mtcfs): enableExternalJaxProcessIds" in ready["message"]
+    assert ds(api, "mtcfsd-jax") is not None
+
+
+# -- the controller's probes and metrics ----------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_controller_health_and_metrics_ports(api: FakeApiServer, kube: Kube,
+                                             tmp_path: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    health, metrics = _free_port(), _free_port()
+    create_cpc(kube, "probed")
+    cfg = _kubeconfig(tmp_path, api.url)
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    api.authorize = lambda call: False  # the API refuses everything at first
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtcfs", "controller", "--kubeconfig", cfg, "--namespace", NS,
+         "--image", "img:1", "--identity", "probe-test", "--lease-duration", "3",
+         "--health-port", str(health), "--metrics-port", str(metrics),
+         "--bind-address", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def get(port: int, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""
+
+    try:
+        # Alive but not ready while the API server does not answer.
+        _wait(lambda: get(health, "/healthz")[0] == 200, timeout=30)
+        assert get(health, "/readyz") == (503, "the API server has not answered yet\n")
+        # Now as deploy/base/rbac.yaml allows: the real loop (watch included).
+        with api._cond:  # what the deny-all phase refused is not counted
+            api.authorize = Rbac(shipped("ClusterRole", "mtcfs-controller")
+                                 + shipped("Role", "mtcfs-controller"))
+            api.denied.clear()
+        _wait(lambda: get(health, "/readyz")[0] == 200, timeout=30)
+        _wait(lambda: ds(api, "mtcfsd-probed") is not None, timeout=30)
+        _wait(lambda: 'mtcfs_controller_reconcile_passes_total{result="ok"}'
+              in get(metrics, "/metrics")[1], timeout=30)
+        body = get(metrics, "/metrics")[1]
+        assert "mtcfs_controller_leader 1.0" in body
+        assert "process_resident_memory_bytes" in body  # the default collectors
+        assert "mtcfs_controller_reconcile_seconds_bucket" in body
+        assert get(health, "/nope")[0] == 404
+        assert api.denied == [] and ("watch", "mtcfs.dev", "checkpointconfigurations", "",
+                                     "") in api.calls
+        # The leader cut off from the API: it cannot renew the Lease and exits (the
+        # Deployment restarts it as a follower), with one line.
+        api.authorize = lambda call: False
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    assert out.strip().splitlines()[-1] == "mtcfs: error: lost the leader lease", out
+    assert "Traceback" not in out, out
+
+
+def test_controller_busy_health_port_is_one_line(api: FakeApiServer, tmp_path: Path) -> None:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _mtcfs("controller", "--kubeconfig", _kubeconfig(tmp_path, api.url),
+                   "--health-port", str(port), "--bind-address", "127.0.0.1",
+                   "--metrics-port", "0")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"mtcfs: error: --health-port {port} on 127.0.0.1: Address already in use"], r.stderr
+
+
+def test_google_credentials_secret_for_host_network_daemons(api: FakeApiServer, kube: Kube,
+                                                            ctl: Controller) -> None:
+    """Workload Identity does not reach hostNetwork pods: a credentials Secret is
+    mounted into the daemon and named by GOOGLE_APPLICATION_CREDENTIALS."""
+    create_cpc(kube, "wi", googleCredentialsSecretRef={"name": "gcs-writer", "key": "sa.json"})
+    create_cpc(kube, "plain", nodeSelector={"cloud.google.com/gke-nodepool": "other"})
+    ctl.reconcile_all()
+    d = ds(api, "mtcfsd-wi")
+    assert d is not None
+    daemon = container(d, "mtcfsd")
+    env = {e["name"]: e.get("value") for e in daemon["env"]}
+    assert env["GOOGLE_APPLICATION_CREDENTIALS"] == f"{o.GOOGLE_DIR}/sa.json"
+    assert {"name": "google", "mountPath": o.GOOGLE_DIR, "readOnly": True} \
+        in daemon["volumeMounts"]
+    vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+    assert vols["google"]["secret"]["secretName"] == "gcs-writer"
+    assert vols["google"]["secret"]["items"] == [{"key": "sa.json", "path": "sa.json"}]
+    plain = ds(api, "mtcfsd-plain")
+    assert plain is not None
+    assert "GOOGLE_APPLICATION_CREDENTIALS" not in {
+        e["name"] for e in container(plain, "mtcfsd")["env"]}
+    assert "google" not in {v["name"] for v in plain["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_csidriver_of_an_older_version_is_recreated(api: FakeApiServer, kube: Kube,
+                                                    ctl: Controller) -> None:
+    """0.1's controller made the CSIDriver with Ephemeral only; its lifecycle modes
+    are immutable (the stand-in refuses the update as the API server does), so the
+    controller deletes and creates it, with the rights the shipped Roles give."""
+    api.put("storage.k8s.io", "csidrivers", {
+        "metadata": {"name": DRIVER_NAME, "labels": {
+            "app.kubernetes.io/managed-by": o.MANAGED_BY}},
+        "spec": {"attachRequired": False, "podInfoOnMount": True,
+                 "volumeLifecycleModes": ["Ephemeral"], "fsGroupPolicy": "None"}})
+    old_uid = api.get("storage.k8s.io", "csidrivers", DRIVER_NAME)["metadata"]["uid"]  # type: ignore[index]
+    create_cpc(kube, "up")
+    api.authorize = Rbac(shipped("ClusterRole", "mtcfs-controller")
+                         + shipped("Role", "mtcfs-controller"))
+    ctl.reconcile_all()
+    drv = api.get("storage.k8s.io", "csidrivers", DRIVER_NAME)
+    assert drv is not None and drv["metadata"]["uid"] != old_uid
+    assert drv["spec"]["volumeLifecycleModes"] == ["Persistent", "Ephemeral"]
+    assert ("update", "storage.k8s.io", "csidrivers", "", DRIVER_NAME) in api.calls
+    assert ("delete", "storage.k8s.io", "csidrivers", "", DRIVER_NAME) in api.calls
+    assert api.denied == []
+    assert ds(api, "mtcfsd-up") is not None

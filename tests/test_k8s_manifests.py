@@ -118,40 +118,71 @@ def test_kustomizations_render_to_valid_objects(where: str) -> None:
             assert obj["metadata"]["namespace"] == "mtcfs-system"
     ctl = next(x for x in objs if x["kind"] == "Deployment")
     image = ctl["spec"]["template"]["spec"]["containers"][0]["image"]
+    c = ctl["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
+    assert c["args"][c["args"].index("--health-port") + 1] == str(ports["healthz"])
+    assert c["args"][c["args"].index("--metrics-port") + 1] == str(ports["metrics"])
     if where.endswith("gke"):
+        spec = ctl["spec"]["template"]["spec"]
         assert ctl["spec"]["replicas"] == 2  # HA through the Lease
         assert image == "us-docker.pkg.dev/PROJECT/mtcfs/mtcfs:0.1.0"
         assert any(x["kind"] == "ResourceQuota" for x in objs)
+        anti_rules = spec["affinity"]["podAntiAffinity"]
+        (anti,) = anti_rules["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti["topologyKey"] == "kubernetes.io/hostname"
+        assert anti["labelSelector"]["matchLabels"] == ctl["spec"]["selector"]["matchLabels"]
+        (pdb,) = [x for x in objs if x["kind"] == "PodDisruptionBudget"]
+        assert pdb["spec"]["minAvailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"] == ctl["spec"]["selector"]["matchLabels"]
     else:
-        assert image == "mtcfs:0.1.0"
+        assert image == f"{o.IMAGE_REPOSITORY}:0.1.0"
+    for x in objs:
+        for c in _containers(x):
+            assert_qualified(c["image"])
 
 
-def test_controller_rbac_covers_what_it_does() -> None:
-    rules = [r for x in render(ROOT / "deploy" / "base") if x["kind"] in ("ClusterRole", "Role")
-             for r in x["rules"]]
+def assert_qualified(image: str) -> None:
+    """A registry host first (a bare name means docker.io/library/...), and never
+    :latest (a moving tag)."""
+    first = image.split("/")[0]
+    assert "/" in image and ("." in first or ":" in first or first == "localhost"), image
+    assert not image.split("@")[0].endswith(":latest"), image
 
-    def allowed(group: str, resource: str, verb: str) -> bool:
-        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-                   for r in rules)
 
-    for group, resource, verbs in [
-        ("mtcfs.dev", "checkpointconfigurations", ["list", "watch", "patch"]),
-        ("mtcfs.dev", "checkpointconfigurations/status", ["patch"]),
-        ("mtcfs.dev", "checkpointconfigurations/finalizers", ["update"]),
-        ("apps", "daemonsets", ["get", "create", "update", "delete"]),
-        ("storage.k8s.io", "csidrivers", ["get", "create", "update", "delete"]),
-        ("rbac.authorization.k8s.io", "clusterroles", ["create", "update", "delete"]),
-        ("rbac.authorization.k8s.io", "clusterrolebindings", ["create", "update", "delete"]),
-        ("", "secrets", ["get", "create", "delete"]),
-        ("", "serviceaccounts", ["get", "create", "update", "delete"]),
-        ("coordination.k8s.io", "leases", ["get", "create", "update"]),
-        ("", "events", ["create"]),
-        # Granted on to the node pods, so held by the controller too.
-        ("", "pods", ["get", "list", "watch"]),
-        ("", "nodes", ["get", "list", "watch"]),
-    ]:
-        for verb in verbs:
-            assert allowed(group, resource, verb), (group, resource, verb)
+def test_rbac_is_least_privilege() -> None:
+    """No cluster-wide DaemonSets, Secrets or RBAC objects for the controller;
+    Secrets, the Lease and the CSIDriver only by name; events only in our namespace.
+    (tests/test_k8s_controller.py runs the controller against these rules.)"""
+    objs = render(ROOT / "deploy" / "base")
+    roles = {(x["kind"], x["metadata"]["name"]): x for x in objs
+             if x["kind"] in ("ClusterRole", "Role")}
+    assert set(roles) == {("ClusterRole", "mtcfs-controller"), ("Role", "mtcfs-controller"),
+                          ("ClusterRole", "mtcfs-node")}
+    cluster = [r for r in roles["ClusterRole", "mtcfs-controller"]["rules"]]
+    for r in cluster:
+        assert not {"daemonsets", "secrets", "events", "clusterroles", "clusterrolebindings",
+                    "roles", "rolebindings", "serviceaccounts"} & set(r["resources"]), r
+        if set(r["verbs"]) & {"get", "update", "patch", "delete"} and \
+                r["resources"] == ["csidrivers"]:
+            assert r["resourceNames"] == [DRIVER_NAME]
+    role = roles["Role", "mtcfs-controller"]
+    assert role["metadata"]["namespace"] == "mtcfs-system"
+    for r in role["rules"]:
+        if r["resources"] == ["secrets"]:
+            assert r["resourceNames"] == [o.TOKENS_SECRET] and "list" not in r["verbs"]
+        if r["resources"] == ["leases"] and r["verbs"] != ["create"]:
+            assert r["resourceNames"] == ["mtcfs-controller"]
+    node = roles["ClusterRole", "mtcfs-node"]["rules"]
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in node)
+    # Bindings: each role to its own account only.
+    for b in (x for x in objs if x["kind"] in ("ClusterRoleBinding", "RoleBinding")):
+        (subject,) = b["subjects"]
+        assert subject["name"] == b["roleRef"]["name"] == b["metadata"]["name"]
+    assert ("Secret", o.TOKENS_SECRET) in {(x["kind"], x["metadata"]["name"]) for x in objs}
+    assert ("ServiceAccount", o.NODE_ACCOUNT) in {(x["kind"], x["metadata"]["name"])
+                                                  for x in objs}
 
 
 def test_dockerfile_copies_what_exists() -> None:
@@ -172,12 +203,24 @@ def test_generated_objects_are_valid(cpc: Obj) -> None:
     cpc["metadata"]["uid"] = "0b9f0a5e-0000-4000-8000-000000000001"
     s = o.settings_from(cpc, "mtcfs:test")
     objs = [obj for _, obj in o.desired(s, "mtcfs-system", cpc, [o.owner_ref(cpc, False)])]
-    objs.append(o.token_secret(s, "mtcfs-system", [o.owner_ref(cpc)]))
     for obj in objs:
         validate(obj)
+        for c in _containers(obj):
+            if c["image"] != "mtcfs:test":
+                assert_qualified(c["image"])
+                assert "@sha256:" in c["image"], c["image"]  # the sidecars: pinned
     kinds = sorted(x["kind"] for x in objs)
-    assert kinds == ["CSIDriver", "ClusterRole", "ClusterRoleBinding", "DaemonSet",
-                     "DaemonSet", "Secret", "ServiceAccount"]
+    assert kinds == ["CSIDriver", "DaemonSet", "DaemonSet"]  # no RBAC objects
+    # The optional fields' objects are valid too.
+    cpc["spec"].update(googleCredentialsSecretRef={"name": "gcs-writer"},
+                       csiEphemeralLimit="8Gi")
+    assert cpc_errors({k: v for k, v in cpc.items() if k != "metadata"} | {
+        "metadata": {"name": cpc["metadata"]["name"]}}) == []
+    s = o.settings_from(cpc, "mtcfs:test")
+    for _, obj in o.desired(s, "mtcfs-system", cpc, [o.owner_ref(cpc, False)]):
+        validate(obj)
+    assert o.DEFAULT_IMAGE.startswith(o.IMAGE_REPOSITORY)
+    assert_qualified(o.DEFAULT_IMAGE)
 
 
 # -- the CRD and CheckpointConfigurations -----------------------------------------------
@@ -197,10 +240,24 @@ def test_example_cpcs_are_valid(cpc: Obj) -> None:
     o.settings_from({**cpc, "metadata": {**cpc["metadata"], "uid": "u"}}, "x")  # no SpecError
 
 
+MANAGED_MTC_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
+
+
+def from_managed_mtc(obj: Obj) -> Obj:
+    """The two edits docs/gke.md ("Coming from the managed MTC") asks for, done on
+    the YAML text as a user would with sed: the CPC's apiVersion, the JobSets'
+    CSI driver name."""
+    text = yaml.safe_dump(obj)
+    text = text.replace("apiVersion: checkpointing.gke.io/v1", "apiVersion: mtcfs.dev/v1")
+    text = text.replace(f"driver: {MANAGED_MTC_DRIVER}", f"driver: {DRIVER_NAME}")
+    return yaml.safe_load(text)
+
+
 def test_managed_mtc_cpc_is_accepted() -> None:
-    """A CPC written for GKE's managed MTC, only the apiVersion changed."""
-    cpc = {
-        "apiVersion": "mtcfs.dev/v1", "kind": "CheckpointConfiguration",
+    """A CPC written for GKE's managed MTC (checkpointing.gke.io/v1: csiEphemeralLimit
+    a string quantity, enableExternalJaxProcessIds), after the apiVersion edit."""
+    managed = {
+        "apiVersion": "checkpointing.gke.io/v1", "kind": "CheckpointConfiguration",
         "metadata": {"name": "my-checkpointconfiguration"},
         "spec": {
             "cloudStorageBucketName": "my-bucket",
@@ -212,12 +269,67 @@ def test_managed_mtc_cpc_is_accepted() -> None:
                                     "metadata-cache:ttl-secs:-1",
                                     "metadata-cache:stat-cache-max-size-mb:-1",
                                     "metadata-cache:type-cache-max-size-mb:-1"],
-            "csiEphemeralLimit": 16,
+            "csiEphemeralLimit": "16Gi",
+            "enableExternalJaxProcessIds": True,
         },
     }
+    cpc = from_managed_mtc(managed)
+    assert cpc["apiVersion"] == "mtcfs.dev/v1"
     assert cpc_errors(cpc) == []
     s = o.settings_from({**cpc, "metadata": {**cpc["metadata"], "uid": "u"}}, "x")
     assert s.list_refresh == 3600.0 and s.bucket == "gs://my-bucket"
+    assert s.csi_ephemeral_limit == "16Gi" and s.ignored_fields == ["enableExternalJaxProcessIds"]
+    csi = o.csi_daemon_set(s, "mtcfs-system", [])
+    validate(csi)
+    plugin = csi["spec"]["template"]["spec"]["containers"][0]
+    assert plugin["resources"]["limits"] == {"ephemeral-storage": "16Gi"}
+
+
+def test_managed_mtc_jobset_works_after_the_driver_edit() -> None:
+    """A JobSet written for the managed MTC: an inline volume of its driver with no
+    attributes. After the edit it is a valid mtcfs volume (the job comes from the
+    pod's JobSet label)."""
+    (js,) = load_yaml(ROOT / "deploy" / "examples" / "jobset-maxtext-orbax.yaml")
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if "csi" in v]
+    vol["csi"] = {"driver": MANAGED_MTC_DRIVER}
+    converted = from_managed_mtc(js)
+    pod = converted["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if "csi" in v]
+    assert vol["csi"] == {"driver": DRIVER_NAME}
+    gke = (ROOT / "docs" / "gke.md").read_text()
+    assert MANAGED_MTC_DRIVER in gke and "checkpointing.gke.io/v1" in gke
+
+
+def test_monitoring_examples_select_what_serves_metrics() -> None:
+    """PodMonitoring (GMP) and ServiceMonitor (Prometheus Operator) have no schema
+    here: check that they select the pods and name the ports that serve /metrics."""
+    cpc = copy.deepcopy(examples()[0])
+    cpc["metadata"]["uid"] = "u"
+    s = o.settings_from(cpc, "x")
+    daemon_pod = o.daemon_set(s, "mtcfs-system", [])["spec"]["template"]
+    ctl = next(x for x in render(ROOT / "deploy" / "base") if x["kind"] == "Deployment")
+    serving = {}
+    for pod in (daemon_pod, ctl["spec"]["template"]):
+        ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        serving[pod["metadata"]["labels"]["app.kubernetes.io/name"]] = ports
+    gmp = load_yaml(ROOT / "deploy" / "examples" / "monitoring-gmp.yaml")
+    sm = load_yaml(ROOT / "deploy" / "examples" / "monitoring-servicemonitor.yaml")
+    monitors = [x for x in gmp + sm if x["kind"] in ("PodMonitoring", "ServiceMonitor")]
+    assert {x["kind"] for x in monitors} == {"PodMonitoring", "ServiceMonitor"}
+    services = {x["metadata"]["labels"]["app.kubernetes.io/name"]: x for x in sm
+                if x["kind"] == "Service"}
+    for m in monitors:
+        app = m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
+        (ep,) = m["spec"]["endpoints"]
+        if m["kind"] == "PodMonitoring":
+            assert ep["port"] in serving[app], (app, ep)
+        else:
+            svc = services[app]
+            validate(svc)
+            assert svc["spec"]["selector"] == {"app.kubernetes.io/name": app}
+            (port,) = svc["spec"]["ports"]
+            assert port["name"] == ep["port"] and port["targetPort"] in serving[app]
 
 
 def _broken(**change: Any) -> Obj:
@@ -244,7 +356,8 @@ def _broken(**change: Any) -> Obj:
     (_broken(keepSteps=0), "less than the minimum"),
     (_broken(tolerations=[{"operator": "Maybe"}]), "is not one of"),
     (_broken(peerTokenSecretRef={"key": "t"}), "'name' is a required property"),
-    (_broken(csiEphemeralLimit=-1), "less than the minimum"),
+    (_broken(csiEphemeralLimit=-1), "is not valid under any of the given schemas"),
+    (_broken(csiEphemeralLimit="16GB"), "is not valid under any of the given schemas"),
     (_broken(replica=2), "Additional properties are not allowed ('replica'"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_broken_cpcs_are_rejected(cpc: Obj, error: str) -> None:

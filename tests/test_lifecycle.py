@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtcfs import __version__ as mtcfs_version
+
 from support.mounts import blob, crc_of, free_port, mtcfs, wait_until
 
 MiB = 1 << 20
@@ -125,7 +127,7 @@ def test_keep_steps_keeps_exactly_n_complete_steps(make_mount, tmp_path):
     lc = m.status()["lifecycle"]
     assert lc["evictions"]["retention"] >= 6  # 3 steps x (2 shards + .metadata)
     assert wait_metric(m, "mtcfs_evictions_total", 6, reason="retention") >= 6
-    assert wait_metric(m, "mtcfs_read_bytes_total", 12 * MiB, tier="file") >= 12 * MiB
+    assert wait_metric(m, "mtcfs_fetched_bytes_total", 12 * MiB, tier="file") >= 12 * MiB
 
 
 def test_stale_incomplete_steps_are_removed_after_grace(make_mount, tmp_path):
@@ -428,6 +430,9 @@ def test_fsync_gcs_persists_whatever_the_policy(make_mount, make_gcs_server):
         os.fsync(f.fileno())
     assert not m.state("d/.metadata.tmp")["persisted"]
     assert wait_metric(m, "mtcfs_fsync_wait_seconds_count", 1, level="gcs") >= 1
+    # Buckets start at 1 ms (a local fsync takes about that long).
+    assert ("mtcfs_fsync_wait_seconds_bucket", (("le", "0.001"), ("level", "gcs"))) \
+        in metrics(m)
 
 
 # -- observability ----------------------------------------------------------------------------
@@ -450,15 +455,20 @@ def test_metrics_and_healthz(make_cluster, tmp_path):
     wait_metric(a, "mtcfs_replication_lag_seconds_count", 3)
     # The gauges come from a status snapshot taken every second: one taken after the
     # files settled (the lag histograms above are live).
-    written = [("mtcfs_written_bytes_total", (("tier", t),)) for t in ("ram", "peers", "file")]
+    written = [("mtcfs_application_written_bytes_total", (("data_path", "fuse"),)),
+               ("mtcfs_replica_sent_bytes_total", ()),
+               ("mtcfs_uploaded_bytes_total", (("tier", "file"),))]
     s = wait_until(lambda: (s := metrics(a)).get(("mtcfs_files", (("state", "closed"),))) == 3
                    and s.get(("mtcfs_upload_queue_files", ())) == 0
                    and all(s.get(k, 0) >= 6 * MiB for k in written) and s, timeout=20,
                    what="a metrics snapshot with the 3 files closed, replicated and uploaded")
     assert s[("mtcfs_files", (("state", "closed"),))] == 3
-    assert s[("mtcfs_written_bytes_total", (("tier", "ram"),))] >= 6 * MiB
-    assert s[("mtcfs_written_bytes_total", (("tier", "peers"),))] >= 6 * MiB
-    assert s[("mtcfs_written_bytes_total", (("tier", "file"),))] >= 6 * MiB
+    for k in written:
+        assert s[k] >= 6 * MiB, k
+    assert s[("mtcfs_health", (("state", "ok"),))] == 1
+    assert s[("mtcfs_build_info", (("node", "node-a"), ("version", mtcfs_version)))] == 1
+    assert s[("mtcfs_seconds_since_last_persist", ())] >= 0
+    assert ("process_resident_memory_bytes", ()) in s and ("python_info" in {n for n, _ in s})
     assert s[("mtcfs_peer_up", (("node", "node-b"), ("peer", c.addr("b"))))] == 1
     assert s[("mtcfs_upload_queue_files", ())] == 0
     assert s[("mtcfs_ram_used_bytes", ())] >= 6 * MiB

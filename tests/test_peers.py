@@ -377,7 +377,10 @@ def test_torch_dcp_save_then_load_on_replacement(make_cluster, tmp_path):
 
     c.kill9("c")
     new = c.replace("c")  # same node id, same address, EMPTY RAM dir
-    assert new.node_id == "node-c" and not data_files(new.ram_dir)
+    assert new.node_id == "node-c"
+    # It started empty and restores what the job listed it as holding (c's own shard
+    # at least) in the background (mtcfs.lifecycle.replacement), from peers.
+    assert new.status()["restore"]["files_total"] >= 1
     assert sorted(os.listdir(new.path / "step_100")) == names
     r = subprocess.run([sys.executable, "-c", DCP_LOAD, str(new.path / "step_100")],
                        capture_output=True, text=True, timeout=180)

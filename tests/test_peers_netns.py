@@ -503,7 +503,10 @@ def check_once_per_side(cu: dict, h2: Node, puller: Node, told: Node,
     st = {n.node_id: n.pstatus() for n in (h2, puller, told)}
     assert st[h2.node_id]["delta_snapshots_served"] == 1, st[h2.node_id]
     assert st[h2.node_id]["snapshot_entries_served"] > served[h2.node_id]
-    assert sum(st[n.node_id]["delta_snapshots_served"] for n in (puller, told)) == 1, st
+    # One delta served to h2 per pull it made (two when its first source saw the other
+    # host suspect then).
+    assert sum(st[n.node_id]["delta_snapshots_served"] for n in (puller, told)) == \
+        cu[h2.node_id]["pulls"], st
 
 
 # Counts of pulls: a host starved of CPU (the parallel part of the suite on 2 cores)
@@ -609,6 +612,10 @@ def test_a_host_back_is_caught_up_with_once_per_side(make_net) -> None:
     assert st[cut.node_id]["delta_snapshots_served"] == 1, st[cut.node_id]
     assert cu[cut.node_id]["pulls"] <= 2, cu
     assert sum(cu[n.node_id]["pulls"] for n in others) == 1, cu
-    assert sum(c["markers_sent"] for c in cu.values()) == 1, cu
+    # One marker from the four. The cut-off host's second pull, if it made one, comes
+    # once the hosts its first covered count as its side again: it republishes that one
+    # to them and says so (a marker that covers nothing new; harmless).
+    assert sum(cu[n.node_id]["markers_sent"] for n in others) == 1, cu
+    assert cu[cut.node_id]["markers_sent"] <= cu[cut.node_id]["pulls"] - 1, cu
     assert sum(told_by_another(cu[n.node_id]) for n in others) == 3, cu
     assert not any(c["handoff_timeouts"] for c in cu.values()), cu

@@ -11,8 +11,9 @@ attributes.
 Calls are made by root and by a second user (uid/gid 65534, no other groups,
 through a helper process that keeps running): permission errors, sticky
 directories, hard-link protection and the clearing of set-id bits on write,
-truncate and chown are the kernel's and mtcfs's together, and must come out as
-on tmpfs.
+truncate, fallocate and chown are the kernel's and mtcfs's together, and must come
+out as on tmpfs. fallocate(2) runs in every mode tmpfs has (0, KEEP_SIZE,
+PUNCH_HOLE|KEEP_SIZE) and in some it refuses (EOPNOTSUPP on both).
 
 Not compared, by design: timestamps, directory st_size (mtcfs reports 0), the
 virtual `user.mtcfs.*` attributes, which only mtcfs has, and st_blocks. One
@@ -79,6 +80,18 @@ _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_cha
 _renameat2.restype = ctypes.c_int
 
 
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+_libc.fallocate64.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def fallocate(fd: int, mode: int, off: int, length: int) -> None:
+    if _libc.fallocate64(fd, mode, off, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 def renameat2(src: str, dst: str, flags: int) -> None:
     if _renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) != 0:
         err = ctypes.get_errno()
@@ -95,6 +108,10 @@ SETID = stat.S_ISUID | stat.S_ISGID
 KNOWN_BUGS = {
     "write-past-max": "a write past MAX_FILE_SIZE succeeds (passthrough: the file grows "
                       "beyond it; fuse: close() fails with EIO and the data is lost)",
+    "chown-nothing-by-other": "passthrough: chown(f, -1, -1) by a user who does not own a "
+                              "set-id regular file succeeds (tmpfs: EPERM); without the "
+                              "writeback cache the kernel sends it as the same setattr of "
+                              "nothing as its own clearing of the bits on a write",
     "writeback-kills-setid": "fuse: the kernel writes cached pages back through any writable "
                              "handle of the file; mtcfs clears set-id bits when that handle's "
                              "opener is unprivileged, though root wrote the data",
@@ -177,6 +194,18 @@ chmod_dir_modes = st.sampled_from((0o755, 0o700, 0o777, 0o1777, 0o1777, 0o2775, 
                                    0o1733, 0o000))
 owners = st.sampled_from((-1, 0, USER))
 user_owners = st.sampled_from((-1, USER, USER, 0))
+# The modes tmpfs has, often; PUNCH_HOLE without KEEP_SIZE and ZERO_RANGE it refuses.
+falloc_modes = st.sampled_from((0, 0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_KEEP_SIZE,
+                                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE))
+# The second user's: not ZERO_RANGE, which on a set-id file is the one documented
+# difference (FUSE clears the bits before the daemon refuses the mode; tmpfs refuses first).
+user_falloc_modes = st.sampled_from((0, FALLOC_FL_KEEP_SIZE,
+                                     FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                     FALLOC_FL_PUNCH_HOLE))
+falloc_lengths = st.one_of(st.sampled_from((0, 1, 4096, 8191, 65536)),
+                           st.integers(1, 300_000))
 xattr_names = st.sampled_from(("user.x", "user.y", "user.long.attribute.name"))
 xattr_values = st.binary(max_size=64)
 xattr_flags = st.sampled_from((0, 0, os.XATTR_CREATE, os.XATTR_REPLACE))
@@ -398,6 +427,7 @@ MAX = int(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                            ctypes.c_uint]
+libc.fallocate64.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 fds = {}  # (handle, side) -> fd
 
 
@@ -431,6 +461,12 @@ def fwrite(side, h, data):
     return [n, os.lseek(fds[h, side], 0, os.SEEK_CUR)]
 
 
+def ffallocate(side, h, mode, off, length):
+    if libc.fallocate64(fds[h, side], mode, off, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
 def fclose(side, h):
     os.close(fds.pop((h, side)))
 
@@ -443,7 +479,7 @@ def fstat(side, h):
 
 OPS = {
     "open": open_close, "write": write, "fopen": fopen, "fwrite": fwrite, "fclose": fclose,
-    "fstat": fstat,
+    "fstat": fstat, "ffallocate": ffallocate,
     "ftruncate": lambda side, h, size: os.ftruncate(fds[h, side], size),
     "fsync": lambda side, h: os.fsync(fds[h, side]),
     "truncate": lambda side, path, size: os.truncate(path, size),
@@ -1027,6 +1063,15 @@ class PosixModel(RuleBasedStateMachine):
                   past_max=size > MAX_FILE_SIZE,
                   undo=lambda: os.ftruncate(pair.fd_r, old or 0))
 
+    @rule(pair=fds, mode=falloc_modes, off=any_offsets, length=falloc_lengths)
+    def fd_fallocate(self, pair: Pair, mode: int, off: int, length: int) -> None:
+        fds = {self.m: pair.fd_m, self.r: pair.fd_r}
+        old = self._fd_start(pair, 0) is not None and os.fstat(pair.fd_r).st_size
+        self.both(f"fd fallocate(mode={mode:#x}, off={off}, len={length}) on {pair!r}",
+                  lambda root: fallocate(fds[root], mode, off, length),
+                  past_max=not mode & FALLOC_FL_KEEP_SIZE and off + length > MAX_FILE_SIZE,
+                  undo=lambda: os.ftruncate(pair.fd_r, old or 0))
+
     @rule(pair=fds)
     def fd_fstat(self, pair: Pair) -> None:
         def op(fd: int) -> tuple:
@@ -1189,6 +1234,12 @@ class PosixModel(RuleBasedStateMachine):
         if which == "chmod":
             self.as_user("user chmod", f"chmod({path!r}, {mode:o})", "chmod", path, mode)
             return
+        s = _stat(os.path.join(self.r, path), follow=True)
+        if self.avoid("chown-nothing-by-other",
+                      self.data_path == "passthrough" and uid == gid == -1 and s is not None
+                      and stat.S_ISREG(s.st_mode) and s.st_uid != USER
+                      and bool(s.st_mode & SETID)):
+            return
         self.as_user("user chown", f"chown({path!r}, {uid}, {gid})", "chown", path, uid, gid,
                      watch=path)
 
@@ -1236,10 +1287,7 @@ class PosixModel(RuleBasedStateMachine):
             self._user_fd_truncate(pair, size)
             return
         if op.startswith("chmod"):
-            s = _stat(os.path.join(self.r, pair.path))
-            mode = stat.S_IMODE(s.st_mode) | stat.S_ISUID if s is not None else 0o4666
-            self.both(f"chmod({pair.path!r}, {mode:o})",
-                      lambda root: os.chmod(os.path.join(root, pair.path), mode))
+            self._make_setuid(pair)
         s = self._user_fd_stat(pair)
         if s is not None and stat.S_ISREG(s[0]) and payload:
             mode, gid, size, pos, _ = s
@@ -1255,6 +1303,29 @@ class PosixModel(RuleBasedStateMachine):
             COVERAGE[("user fd write", "cleared set-id")] += 1
         if self.data_path == "fuse" and "writeback-kills-setid" in self.known_bugs:
             self.user("fsync", pair.fd_r)  # (its cached pages go out now, through its handle)
+
+    def _make_setuid(self, pair: Pair) -> None:
+        """Root makes the file (by the name it was opened by) set-user-ID."""
+        s = _stat(os.path.join(self.r, pair.path))
+        mode = stat.S_IMODE(s.st_mode) | stat.S_ISUID if s is not None else 0o4666
+        self.both(f"chmod({pair.path!r}, {mode:o})",
+                  lambda root: os.chmod(os.path.join(root, pair.path), mode))
+
+    @rule(pair=user_fds, mode=user_falloc_modes, off=offsets, length=falloc_lengths,
+          setuid=st.booleans())
+    def user_fd_fallocate(self, pair: Pair, mode: int, off: int, length: int,
+                          setuid: bool) -> None:
+        """fallocate through an fd of the second user's, on a file root may first make
+        set-user-ID (cleared as by a write)."""
+        if setuid:
+            self._make_setuid(pair)
+        s = self._user_fd_stat(pair)
+        got = self.as_user("user fd fallocate",
+                           f"fallocate(mode={mode:#x}, off={off}, len={length}) on {pair!r}",
+                           "ffallocate", pair.fd_r, mode, off, length)
+        after = self._user_fd_stat(pair)
+        if got[0] == "ok" and s is not None and after is not None and s[0] & SETID & ~after[0]:
+            COVERAGE[("user fd fallocate", "cleared set-id")] += 1
 
     def _user_fd_truncate(self, pair: Pair, size: int) -> None:
         self.as_user("user fd ftruncate", f"ftruncate({size}) on {pair!r}", "ftruncate",
@@ -1318,6 +1389,9 @@ EXPECTED_COVERAGE = [
     ("user unlink[sticky]", "ok"), ("user rename[sticky]", "EPERM"), ("user rename", "ok"),
     ("user link", "EPERM"), ("user link", "ok"),
     ("user mkfifo", "ok"), ("user fd write", "ok"), ("user fd ftruncate", "ok"),
+    # fallocate: the modes tmpfs has, and those it refuses
+    ("fd fallocate", "ok"), ("fd fallocate", "ENOTSUP"),
+    ("user fd fallocate", "ok"), ("user fd fallocate", "cleared set-id"),
     # past mtcfs's 1 TiB limit (the documented difference)
     ("truncate", "EFBIG (tmpfs: ok)"), ("fd ftruncate", "EFBIG (tmpfs: ok)"),
     ("user truncate", "EFBIG (tmpfs: ok)"),
@@ -1334,6 +1408,11 @@ RARE = {
         "test_huge_lengths_fail_at_once_and_sparse_files_are_cheap",
     ("open_fd", "EACCES"): "test_device_nodes_fifos_and_sockets_are_inert_nodes",
     ("user fd ftruncate", "ok"): "test_a_user_ftruncates_through_its_own_descriptor",
+    ("user fd write", "cleared set-id"):
+        "test_a_user_write_clears_set_id_bits_while_the_file_is_open",
+    # (Each missed once in 600 runs, by CI or here.)
+    ("user chown", "cleared set-id"): "test_set_group_id_is_cleared_for_users_outside_the_group",
+    ("user link", "EPERM"): "test_a_user_is_refused_where_tmpfs_refuses",
 }
 
 
@@ -1356,18 +1435,35 @@ def test_mtcfs_behaves_like_tmpfs(make_mount, ram_root: Path, data_path: str) ->
     # such as setxattr EEXIST went unproduced once in ~10 runs); MTCFS_POSIX_RANDOM=1
     # explores new ones.
     explore = bool(os.environ.get("MTCFS_POSIX_RANDOM"))
-    try:
+
+    def run(derandomize: bool, n: int) -> None:
         run_state_machine_as_test(
             lambda: PosixModel(str(mnt.path), str(ref), user, data_path),
             settings=settings(
-                derandomize=not explore,
-                max_examples=examples,
+                derandomize=derandomize,
+                max_examples=n,
                 stateful_step_count=int(os.environ.get("MTCFS_POSIX_STEPS", "50")),
                 deadline=None,
+                database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                        HealthCheck.data_too_large],
             ),
         )
+
+    def uncovered() -> list[tuple[str, str]]:
+        return [k for k in EXPECTED_COVERAGE if not COVERAGE[k] and k not in RARE]
+
+    try:
+        run(not explore, examples)
+        # The same choices do not always make the same sequences: what the model draws
+        # next depends on what the filesystems answered, and tmpfs's inode numbers and
+        # times differ from run to run. An outcome not produced yet gets more runs
+        # (every one compared with tmpfs all the same), up to two.
+        for _ in range(2):
+            if explore or examples < 300 or not uncovered():
+                break
+            print(f"not produced yet, {examples // 2} more runs: {uncovered()}")
+            run(False, examples // 2)
     finally:
         user.close()
         subprocess.run(["umount", "-l", str(ref)], capture_output=True)

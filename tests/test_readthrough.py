@@ -1,6 +1,6 @@
 """Read-through from the durable tier, end to end through real mounts.
 
-DESIGN.md, "Who uses it" case 3 (whole-job loss): every host mounts again on an
+The whole-job loss case: every host mounts again on an
 empty RAM dir, sees the newest step that is complete in the durable tier and
 reads it through. Each test runs against gs:// (fake-gcs-server) and file://
 (a directory) where the behaviour is the same. The resumable-upload recovery

@@ -13,8 +13,8 @@ def demo(size: str, keep: bool) -> None:
     """Three hosts on this machine (three mounts, three peer ports): each saves a shard
     at RAM speed, shards replicate to peers and persist to a local GCS server, one
     host is killed and a replacement restores its shards from the peers."""
+    from mtcfs.cli.demo_run import run_demo
     from mtcfs.config import ConfigError, parse_size
-    from mtcfs.demo import run_demo
 
     try:
         nbytes = parse_size(size)

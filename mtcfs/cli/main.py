@@ -1,4 +1,4 @@
-"""The `mtcfs` command (DESIGN.md, "Command line")."""
+"""The `mtcfs` command (docs/usage.md)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ for _name, _why in _LATER.items():
 
 
 def main() -> None:
-    # Usage errors: one line naming the cause, exit status 2 (DESIGN.md).
+    # Usage errors: one line naming the cause, exit status 2.
     try:
         cli.main(prog_name="mtcfs", standalone_mode=False)
     except click.UsageError as e:

@@ -11,6 +11,7 @@ from mtcfs.cli.common import usage_error
 from mtcfs.config import (
     DATA_PATHS,
     FSYNC_LEVELS,
+    HUGE_PAGES,
     LOG_FORMATS,
     LOG_LEVELS,
     VISIBILITY_MODES,
@@ -22,8 +23,13 @@ from mtcfs.config import (
 @click.command("mount")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--ram-dir", help="tmpfs directory for file data [default: /dev/shm/mtcfs-<hash>]")
-@click.option("--ram-size", help="RAM tier budget, e.g. 512MiB, 8GiB; at most the size of the "
-              "RAM dir's filesystem  [default: 4GiB, or half that filesystem if smaller]")
+@click.option("--ram-size", help="RAM tier budget, e.g. 512MiB, 8GiB or 64Gi; at least 4MiB, at "
+              "most the size of the RAM dir's filesystem  [default: 4GiB, or half that "
+              "filesystem if smaller]")
+@click.option("--huge-pages", type=click.Choice(HUGE_PAGES, case_sensitive=False),
+              help="transparent huge pages for the RAM tier's tmpfs: always, never, or auto: "
+                   "a short probe at mount keeps them unless their first touch is slower "
+                   "(a VM that returns freed memory to its host)  [default: auto]")
 @click.option("--node-id", help="this node's id in the job [default: hostname]")
 @click.option("--daemon", is_flag=True, default=None,
               help="detach; return 0 once the mount is live")
@@ -31,7 +37,8 @@ from mtcfs.config import (
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML file with the same keys as the long options")
 @click.option("-o", "fuse_options", multiple=True, metavar="FUSE_OPTION",
-              help="FUSE mount option, e.g. allow_other (repeatable)")
+              help="FUSE mount option, e.g. allow_other (repeatable); nonempty: mount over "
+                   "a directory that has files (hidden while mounted)")
 @click.option("--listen", metavar="HOST:PORT",
               help="address the peer RPC server listens on (and peers reach this node at)")
 @click.option("--peers", metavar="ADDR[,ADDR...]", help="the other hosts' --listen addresses")
@@ -53,6 +60,9 @@ from mtcfs.config import (
                    "listens; port 0: any free port  [default: the --listen host, its port + 1]")
 @click.option("--data-connections", type=int, metavar="N",
               help="bulk data connections per peer (0: file bytes over gRPC)  [default: 4]")
+@click.option("--peer-encryption", is_flag=True, default=None,
+              help="encrypt file bytes between peers (AES-GCM; every host alike)  "
+                   "[default: authenticated, not encrypted]")
 @click.option("--bucket", metavar="URL",
               help="durable tier: gs://bucket[/prefix] or file:///dir")
 @click.option("--gcs-endpoint", metavar="URL",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import click
 
-from mtcfs.cli.common import daemon_request, fail
+from mtcfs.cli.common import daemon_request, fail, plural
 from mtcfs.cli.progress import poll_with_progress
 from mtcfs.sizes import format_size
 
@@ -28,16 +29,25 @@ def mount_relative(mountpoint: str, path: str) -> str:
 @click.argument("mountpoint", type=click.Path())
 @click.argument("paths", nargs=-1)
 @click.option("--wait", is_flag=True, help="wait until everything is persisted (progress bar)")
-def persist(mountpoint: str, paths: tuple[str, ...], wait: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="print the outcome as JSON on stdout (the progress bar stays on stderr)")
+def persist(mountpoint: str, paths: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Upload closed files under PATHS (default: everything) to the durable tier.
 
     Commit markers still go last. Without --wait, returns once queued."""
     mp = os.path.abspath(mountpoint)
     rels = [mount_relative(mp, p) for p in paths]
     r = daemon_request(mp, "persist", paths=rels)
-    note = f" ({r['skipped_open']} open files skipped)" if r["skipped_open"] else ""
-    click.echo(f"queued {r['files']} files, {format_size(r['bytes'])}{note}", err=True)
+    queued = {"queued_files": r["files"], "queued_bytes": r["bytes"],
+              "skipped_open_files": r["skipped_open"]}
+    if not as_json:
+        note = (f" ({plural(r['skipped_open'], 'open file')} skipped)"
+                if r["skipped_open"] else "")
+        click.echo(f"queued {plural(r['files'], 'file')}, {format_size(r['bytes'])}{note}",
+                   err=True)
     if not wait:
+        if as_json:
+            click.echo(json.dumps(queued, indent=2))
         return
     inos = r["inos"]
 
@@ -45,12 +55,17 @@ def persist(mountpoint: str, paths: tuple[str, ...], wait: bool) -> None:
         st = daemon_request(mp, "persist_progress", inos=inos)
         if st["retrying_in"] and st["last_error"]:
             st["note"] = f"retrying: {st['last_error'][:60]}"
-        st["finished"] = st["finished"]
         return st
 
     st = poll_with_progress("persisting", poll)
-    if st["failed"]:
+    if as_json:
+        click.echo(json.dumps({**queued, "persisted_files": st["files_done"],
+                               "bytes": st["bytes_total"], "failed": st["failed"]}, indent=2))
+    else:
         for path, why in st["failed"].items():
             click.echo(f"mtcfs: {path}: {why}", err=True)
-        fail(f"{len(st['failed'])} files could not be persisted")
-    click.echo(f"persisted {st['files_done']} files, {format_size(st['bytes_total'])}", err=True)
+    if st["failed"]:
+        fail(f"{plural(len(st['failed']), 'file')} could not be persisted")
+    if not as_json:
+        click.echo(f"persisted {plural(st['files_done'], 'file')}, "
+                   f"{format_size(st['bytes_total'])}", err=True)

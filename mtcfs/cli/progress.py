@@ -11,10 +11,25 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
+from rich.text import Text
+
+from mtcfs.sizes import format_size
+
+
+class BinarySpeedColumn(ProgressColumn):
+    """The transfer rate in binary units, as every size mtcfs prints (rich's own
+    TransferSpeedColumn has decimal units only)."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        if speed is None:
+            return Text("?", style="progress.data.speed")
+        return Text(f"{format_size(speed)}/s", style="progress.data.speed")
 
 
 def poll_with_progress(label: str, poll: Callable[[], dict[str, Any]],
@@ -23,8 +38,8 @@ def poll_with_progress(label: str, poll: Callable[[], dict[str, Any]],
 
     poll() returns {"bytes_total", "bytes_done", "finished", "note"?}."""
     console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+               BinarySpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(label, total=None, note="")
         while True:

@@ -6,9 +6,8 @@ import json
 import os
 
 import click
-from rich.table import Table
 
-from mtcfs.cli.common import daemon_request, table_console
+from mtcfs.cli.common import daemon_request, plural, print_table
 from mtcfs.sizes import format_size
 
 
@@ -22,10 +21,7 @@ def steps(mountpoint: str, as_json: bool) -> None:
         click.echo(json.dumps({k: r[k] for k in ("steps", "newest_complete_safe", "replicas",
                                                  "keep_steps", "durable")}, indent=2))
         return
-    t = Table(title=f"steps in {mountpoint}")
-    for col in ("step", "path", "complete", "files", "size", "replicas", "in RAM", "persisted",
-                "safe"):
-        t.add_column(col, justify="right" if col in ("files", "size") else "left")
+    rows = []
     for s in r["steps"]:
         if s.get("withdrawn"):
             complete = f"WITHDRAWN ({len(s['lost_files'])} lost)"
@@ -42,7 +38,7 @@ def steps(mountpoint: str, as_json: bool) -> None:
             ram = "evicted"
         else:
             ram = f"{s['files_in_ram']}/{s['files']}"
-        t.add_row(
+        rows.append([
             "-" if s["step"] is None else str(s["step"]), s["path"], complete, str(s["files"]),
             format_size(s["bytes"]),
             (str(lo) if lo == hi else f"{lo}-{hi}") + f"/{r['replicas']}" if r["replicas"]
@@ -51,11 +47,17 @@ def steps(mountpoint: str, as_json: bool) -> None:
             "n/a" if r["durable"] is None else
             "yes" if s["persisted"] else f"{s['files_persisted']}/{s['files']}",
             "yes" if s["safe"] else "no",
-        )
-    table_console().print(t)
+        ])
+    print_table(f"steps in {mountpoint}", ["step", "path", "complete", "files", "size",
+                                           "replicas", "in RAM", "persisted", "safe"],
+                rows, right=("files", "size"))
     newest = r["newest_complete_safe"]
-    where = " or ".join(w for w, on in ((f"{r['replicas']} peer copies", r["replicas"]),
-                                       ("the durable tier", r["durable"])) if on) or "nowhere"
-    click.echo(f"newest complete step safe (in {where}): {newest or 'none'}")
-    if r["keep_steps"]:
-        click.echo(f"retention: the newest {r['keep_steps']} complete steps stay in RAM")
+    k = r["replicas"]
+    where = " or ".join(w for w, on in ((f"{plural(k, 'peer copy', 'peer copies')}", k),
+                                       ("the durable tier", r["durable"])) if on)
+    click.echo(f"newest complete step safe (in {where}): {newest or 'none'}" if where else
+               "newest complete step safe: none (no peer copies and no durable tier here)")
+    n = r["keep_steps"]
+    if n:
+        click.echo("retention: the newest complete step stays in RAM" if n == 1 else
+                   f"retention: the newest {n} complete steps stay in RAM")

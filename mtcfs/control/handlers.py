@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mtcfs.fs.namespace import CLOSED, ROOT, Inode
-from mtcfs.lifecycle.space import step_view
-from mtcfs.persist.steps import all_steps, files_under, step_number
+from mtcfs.core.namespace import CLOSED, ROOT, Inode
+from mtcfs.core.steps import files_under
+from mtcfs.status import mount_status
 
 if TYPE_CHECKING:
     from mtcfs.assembly import Mount
@@ -20,10 +20,14 @@ Reply = dict[str, Any]
 
 
 class ControlHandler:
-    def __init__(self, mount: Mount, shutdown: Callable[[], None]) -> None:
+    """`metrics_url`: where the metrics are served (None without --metrics-port)."""
+
+    def __init__(self, mount: Mount, shutdown: Callable[[], None],
+                 metrics_url: str | None = None) -> None:
         self.mount = mount
         self.ns = mount.ns
         self.shutdown = shutdown
+        self.metrics_url = metrics_url
 
     async def __call__(self, req: dict[str, Any]) -> Reply:
         op = req.get("op")
@@ -33,7 +37,7 @@ class ControlHandler:
         return handler(req)
 
     def op_status(self, req: dict[str, Any]) -> Reply:
-        return {"ok": True, "status": self.mount.status()}
+        return {"ok": True, "status": mount_status(self.mount, self.metrics_url)}
 
     def op_shutdown(self, req: dict[str, Any]) -> Reply:
         self.shutdown()
@@ -58,7 +62,7 @@ class ControlHandler:
 
     def op_persist(self, req: dict[str, Any]) -> Reply:
         up = self.mount.uploader
-        if up is None:
+        if not self.mount.opts.bucket:
             return {"ok": False, "error": "this mount has no durable tier (mount with --bucket)"}
         try:
             nodes = self._resolve([str(p) for p in req.get("paths") or []])
@@ -72,7 +76,7 @@ class ControlHandler:
 
     def op_persist_progress(self, req: dict[str, Any]) -> Reply:
         up = self.mount.uploader
-        if up is None:
+        if not self.mount.opts.bucket:
             return {"ok": False, "error": "this mount has no durable tier"}
         nodes = [n for ino in req.get("inos") or [] if (n := self.ns.get(int(ino)))]
         live = [n for n in nodes if n.linked]
@@ -99,6 +103,12 @@ class ControlHandler:
     def op_prefetch(self, req: dict[str, Any]) -> Reply:
         m = self.mount
         rt = m.fetcher
+        if req.get("restore"):  # the background restore's files (a replacement host)
+            files = m.restore.files
+            missing = [n for n in files if not n.has_data]
+            return {"ok": True, "inos": [n.ino for n in files], "files": len(files),
+                    "bytes": sum(n.size for n in files), "to_fetch": len(missing),
+                    "bytes_to_fetch": sum(n.size for n in missing)}
         try:
             nodes = self._resolve([str(p) for p in req.get("paths") or []])
         except FileNotFoundError as e:
@@ -107,7 +117,7 @@ class ControlHandler:
         missing = [n for n in files if not n.has_data]
         need = sum(n.size for n in missing)
         free = m.ram.free
-        if missing and m.peers is None and m.uploader is None:
+        if missing and not (m.opts.listen or m.opts.bucket):
             return {"ok": False, "error": "this mount has no peers and no durable tier to "
                                           "fetch from"}
         if need > free:
@@ -123,7 +133,7 @@ class ControlHandler:
         rt = self.mount.fetcher
         nodes = [n for ino in req.get("inos") or [] if (n := self.ns.get(int(ino)))]
         live = [n for n in nodes if n.linked]
-        errors = rt.prefetch_errors
+        errors = {**rt.prefetch_errors, **self.mount.restore.failed}
         failed = {self.ns.path_of(n): errors[n.ino] for n in live if n.ino in errors}
         done = [n for n in live if n.has_data]
         return {
@@ -140,64 +150,4 @@ class ControlHandler:
     # -- steps --------------------------------------------------------------------
 
     def op_steps(self, req: dict[str, Any]) -> Reply:
-        m = self.mount
-        ns = m.ns
-        up = m.uploader
-        rules = m.fs.rules
-        copies = m.copies
-        k = copies.replicas
-        retention, wd = m.retention, m.withdrawal
-        kept = step_view(ns, rules, retention.keep).kept if retention is not None else set()
-
-        steps = []
-        newest_safe = None
-        for d in all_steps(ns, rules):
-            files = [f for f in files_under(ns, d) if f.linked]
-            complete = rules.is_committed_step(ns, d)
-            persisted = bool(files) and all(f.persisted for f in files)
-            per_file = [{
-                "path": ns.path_of(f),
-                "size": f.size,
-                "state": f.state,
-                "replicas": copies.replicas_of(f) if f.state == CLOSED else 0,
-                "holders": list(f.holders),
-                "persisted": f.persisted,
-                "in_ram": f.has_data,
-            } for f in files]
-            replicas = [e["replicas"] for e in per_file]
-            # Safe: every file persisted, or in K peer copies.
-            safe = complete and bool(per_file) and all(
-                e["persisted"] or (k and e["replicas"] >= k) for e in per_file)
-            withdrawn = wd is not None and wd.is_withdrawn(d)
-            entry = {
-                "path": ns.path_of(d),
-                "step": step_number(d.name),
-                "complete": complete,
-                "withdrawn": withdrawn,
-                "lost_files": [ns.path_of(f) for f in files if copies.lost(f)] if wd else [],
-                "temporary": rules.is_temporary(ns, d),
-                "files": len(files),
-                "bytes": sum(f.size for f in files),
-                "open_files": sum(1 for f in files if f.state != CLOSED),
-                "in_ram": bool(files) and all(f.has_data for f in files),
-                "files_in_ram": sum(1 for f in files if f.has_data),
-                "persisted": persisted,
-                "files_persisted": sum(1 for f in files if f.persisted),
-                "replicas_min": min(replicas, default=0),
-                "replicas_max": max(replicas, default=0),
-                "safe": safe,
-                "kept": d.ino in kept if retention is not None else None,
-                "mtime": d.mtime_ns / 1e9,
-                "file_list": per_file,
-            }
-            steps.append(entry)
-            if safe:
-                key = (entry["step"] if entry["step"] is not None else -1, entry["mtime"])
-                if newest_safe is None or key > newest_safe[0]:
-                    newest_safe = (key, entry["path"])
-        steps.sort(key=lambda e: (e["step"] if e["step"] is not None else -1, e["mtime"]))
-        return {"ok": True, "steps": steps,
-                "newest_complete_safe": newest_safe[1] if newest_safe else None,
-                "replicas": k,
-                "keep_steps": retention.keep if retention is not None else None,
-                "durable": up.tier.url if up is not None else None}
+        return {"ok": True, **self.mount.step_report.steps()}

@@ -1,4 +1,4 @@
-"""The CSI Identity service: who we are, and whether the node daemon is live."""
+"""The CSI Identity service: who we are, and whether the plugin itself works."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from google.protobuf import wrappers_pb2
 
 from mtcfs import __version__
 from mtcfs.csi import DRIVER_NAME
-from mtcfs.csi.node import Publisher
+from mtcfs.csi.node import RebindLoop
 from mtcfs.csi.rpc import handler
 from mtcfs.csi.v1 import csi_pb2, csi_pb2_grpc
 
@@ -17,8 +17,8 @@ log = logging.getLogger("mtcfs.csi")
 
 
 class IdentityService(csi_pb2_grpc.IdentityServicer):
-    def __init__(self, publisher: Publisher) -> None:
-        self.publisher = publisher
+    def __init__(self, rebind: RebindLoop) -> None:
+        self.rebind = rebind
         self._last_ready: bool | None = None
 
     @handler()
@@ -36,12 +36,14 @@ class IdentityService(csi_pb2_grpc.IdentityServicer):
     @handler(level=logging.DEBUG)  # the liveness probe sidecar calls it every few seconds
     def Probe(self, request: csi_pb2.ProbeRequest,
               context: grpc.ServicerContext) -> csi_pb2.ProbeResponse:
-        # Ready = the node daemon's mount answers; publishing needs it.
-        ready, why = self.publisher.live()
+        # The livenessprobe sidecar restarts the plugin when this fails, so it
+        # reports the plugin's own health: it answers, and its re-bind loop runs.
+        # Not the node daemon's: restarting the plugin cannot help a daemon that is
+        # down, and the kubelet's back-off would delay the re-binds after it returns
+        # (NodePublishVolume answers UNAVAILABLE meanwhile).
+        ready = self.rebind.alive()
         if ready != self._last_ready:
-            if ready:
-                log.info("ready: the node daemon at %s is live", self.publisher.mount_root)
-            else:
-                log.warning("not ready: %s", why)
+            if not ready:
+                log.error("not ready: the re-bind loop has stopped")
             self._last_ready = ready
         return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=ready))

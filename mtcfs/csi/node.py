@@ -2,10 +2,12 @@
 mount into a pod's volume directory (a bind mount), unpublish it, and re-bind
 published targets after the node daemon restarted.
 
-Volumes are ephemeral inline volumes with podInfoOnMount: kubelet passes the
-pod's name and namespace in the volume context. A pod of namespace NS in job
-JOB gets `<mount root>/NS/JOB`, created on first use; JOB is the volume
-attribute `job`, else the pod's JobSet label.
+Volumes are inline (ephemeral) CSI volumes or static PersistentVolumes, both
+with podInfoOnMount: kubelet passes the pod's name and namespace in the volume
+context. A pod of namespace NS in job JOB gets `<mount root>/NS/JOB`, created on
+first use; JOB is the volume attribute `job`, else the pod's JobSet label. Any
+other volume attribute is refused (INVALID_ARGUMENT), which kubelet shows as a
+FailedMount event on the pod.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from mtcfs.csi.v1 import csi_pb2, csi_pb2_grpc
 log = logging.getLogger("mtcfs.csi")
 
 JOB_ATTRIBUTE = "job"
+VOLUME_ATTRIBUTES = (JOB_ATTRIBUTE,)
+# Keys kubelet adds itself (pod info, ephemeral, service account tokens).
+KUBELET_PREFIX = "csi.storage.k8s.io/"
 # Kubernetes names (namespaces, JobSets) are DNS labels/subdomains: this also
 # rules out "/", ".", ".." and anything else that could leave the mount root.
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")
@@ -199,6 +204,9 @@ class RebindLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopping = True
         os.write(self._wake_w, b"x")
@@ -219,6 +227,16 @@ class RebindLoop:
                 except Exception:  # keep scanning: the next round may succeed
                     log.exception("re-bind scan failed")
                 changes.poll((self.retry if left else self.interval) * 1000)
+
+
+def check_attributes(volume_context: dict[str, str]) -> None:
+    unknown = sorted(k for k in volume_context
+                     if k not in VOLUME_ATTRIBUTES and not k.startswith(KUBELET_PREFIX))
+    if unknown:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"unknown volume attribute(s) {', '.join(map(repr, unknown))}: the "
+                       f"mtcfs CSI driver knows only {', '.join(VOLUME_ATTRIBUTES)} "
+                       f"(docs/csi.md)")
 
 
 class NodeService(csi_pb2_grpc.NodeServicer):
@@ -268,6 +286,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"target_path must be absolute: {target!r}")
         volume_context = dict(request.volume_context)
+        check_attributes(volume_context)
         namespace = volume_context.get(POD_NAMESPACE)
         if not namespace:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -302,5 +321,5 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     @handler()
     def NodeGetInfo(self, request: csi_pb2.NodeGetInfoRequest,
                     context: grpc.ServicerContext) -> csi_pb2.NodeGetInfoResponse:
-        # 0: no limit of ours (the CSIDriver's csiEphemeralLimit is the controller's).
+        # 0: one mount serves any number of volumes on a node.
         return csi_pb2.NodeGetInfoResponse(node_id=self.node_id, max_volumes_per_node=0)

@@ -58,7 +58,8 @@ def serve(opts: PluginOptions, stop: threading.Event | None = None) -> None:
     _remove_stale_socket(opts.socket_path)
     publisher = Publisher(opts.mount_root, opts.targets_root)
     server = grpc.server(ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="csi"))
-    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityService(publisher), server)
+    rebind = RebindLoop(publisher, opts.rebind_interval)
+    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityService(rebind), server)
     csi_pb2_grpc.add_NodeServicer_to_server(
         NodeService(opts.node_id, publisher, opts.pod_labels), server)
     try:
@@ -67,7 +68,6 @@ def serve(opts: PluginOptions, stop: threading.Event | None = None) -> None:
         raise ServeError(f"cannot listen on {opts.socket_path}: {e}") from None
     server.start()
     socket_ino = os.stat(opts.socket_path).st_ino
-    rebind = RebindLoop(publisher, opts.rebind_interval)
     rebind.start()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

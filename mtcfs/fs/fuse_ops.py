@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from mtcfs.core.namespace import Inode
 from mtcfs.fs.filesystem import Filesystem, FsError, NeedRoom
-from mtcfs.fs.namespace import Inode
+from mtcfs.fs.state_view import STATE_XATTR, FileStateView
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,18 @@ class FuseOperations(pyfuse3.Operations):
     enable_passthrough = False
     passthrough_stack_depth = 1  # backing files on tmpfs (depth 0): one more is allowed
 
-    def __init__(self, fs: Filesystem, passthrough: bool = False) -> None:
+    def __init__(self, fs: Filesystem, view: FileStateView, passthrough: bool = False) -> None:
         super().__init__()
         self.fs = fs
+        self.names = fs.names  # directories, links, renames, removals
+        self.xattrs = fs.xattrs
+        self.view = view  # user.mtcfs.state
         if passthrough:
             self.enable_passthrough = True
             self.enable_writeback_cache = False
 
     def attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
-        self.fs.refresh(node)  # written through passthrough: size and mtime from RAM
+        self.fs.sealer.refresh(node)  # written through passthrough: size and mtime from RAM
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
@@ -92,11 +96,11 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def lookup(self, parent_inode, name, ctx=None):
-        return self.attrs(self.fs.lookup(parent_inode, name))
+        return self.attrs(self.names.lookup(parent_inode, name))
 
     async def forget(self, inode_list):
         for ino, n in inode_list:
-            self.fs.forget(ino, n)
+            self.names.forget(ino, n)
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
@@ -121,56 +125,56 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def readlink(self, inode, ctx):
-        return self.fs.readlink(self.fs.node(inode))
+        return self.names.readlink(self.fs.node(inode))
 
     @fuse_errors
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self.attrs(self.fs.mknod(parent_inode, name, mode & ~ctx.umask, rdev, ctx.uid,
+        return self.attrs(self.names.mknod(parent_inode, name, mode & ~ctx.umask, rdev, ctx.uid,
                                         ctx.gid))
 
     @fuse_errors
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self.attrs(self.fs.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+        return self.attrs(self.names.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
 
     @fuse_errors
     async def unlink(self, parent_inode, name, ctx):
-        self.fs.unlink(parent_inode, name)
+        self.names.unlink(parent_inode, name)
 
     @fuse_errors
     async def rmdir(self, parent_inode, name, ctx):
-        self.fs.rmdir(parent_inode, name)
+        self.names.rmdir(parent_inode, name)
 
     @fuse_errors
     async def symlink(self, parent_inode, name, target, ctx):
-        return self.attrs(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self.attrs(self.names.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @fuse_errors
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.names.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @fuse_errors
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self.attrs(self.fs.link(self.fs.node(inode), new_parent_inode, new_name))
+        return self.attrs(self.names.link(self.fs.node(inode), new_parent_inode, new_name))
 
     @fuse_errors
     async def opendir(self, inode, ctx):
-        return self.fs.opendir(self.fs.node(inode))
+        return self.names.opendir(self.fs.node(inode))
 
     @fuse_errors
     async def readdir(self, fh, start_id, token):
-        for next_id, name, node in self.fs.readdir(fh, start_id):
+        for next_id, name, node in self.names.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self.attrs(node), next_id):
                 break
             node.lookups += 1  # readdir_reply counts as a lookup (readdirplus)
 
     async def releasedir(self, fh):
-        self.fs.releasedir(fh)
+        self.names.releasedir(fh)
 
     @fuse_errors
     async def fsyncdir(self, fh, datasync):
         # Namespace changes are committed to the metadata store as they happen; what
         # is left is making them visible on every live peer.
-        await self.fs.fsyncdir(self.fs.dir_handle(fh)[0])
+        await self.names.fsyncdir(self.names.dir_handle(fh)[0])
 
     @fuse_errors
     async def statfs(self, ctx):
@@ -191,25 +195,27 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def setxattr(self, inode, name, value, ctx):
-        self.fs.setxattr(self.fs.node(inode), name, value)
+        self.xattrs.setxattr(self.fs.node(inode), name, value)
 
     async def getxattr(self, inode, name, ctx):
         # The kernel asks for security.capability before every write() syscall
         # (libfuse 3.14 cannot negotiate HANDLE_KILLPRIV_V2), so answer it first.
-        if name == b"security.capability" and not self.fs.has_caps:
+        if name == b"security.capability" and not self.xattrs.has_caps:
             raise pyfuse3.FUSEError(errno.ENODATA)
         try:
-            return self.fs.getxattr(self.fs.node(inode), name)
+            if name == STATE_XATTR:
+                return self.view.xattr(self.fs.node(inode))
+            return self.xattrs.getxattr(self.fs.node(inode), name)
         except FsError as e:
             raise pyfuse3.FUSEError(e.errno) from None
 
     @fuse_errors
     async def listxattr(self, inode, ctx):
-        return self.fs.listxattr(self.fs.node(inode))
+        return self.xattrs.listxattr(self.fs.node(inode))
 
     @fuse_errors
     async def removexattr(self, inode, name, ctx):
-        self.fs.removexattr(self.fs.node(inode), name)
+        self.xattrs.removexattr(self.fs.node(inode), name)
 
     # -- files -------------------------------------------------------------------
 
@@ -268,6 +274,10 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def fsync(self, fh, datasync):
         await self.fs.fsync(fh)
+
+    @fuse_errors
+    async def fallocate(self, fh, mode, offset, length):
+        await self.fs.fallocate(fh, mode, offset, length)
 
     async def access(self, inode, mode, ctx):
         return True  # default_permissions: the kernel checks mode bits

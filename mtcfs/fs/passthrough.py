@@ -39,7 +39,7 @@ class Passthrough:
                  unregister: Callable[[int], None]) -> None:
         self._register = register  # fd -> backing id (pyfuse3.backing_open)
         self._unregister = unregister  # backing id -> None (pyfuse3.backing_close)
-        self.enabled = False  # the kernel agreed at INIT (set by the daemon)
+        self.enabled = False  # the kernel agreed at INIT: enable()
         self._backing: dict[int, list[int]] = {}  # ino -> [backing id, handles]
         self._daemon: dict[int, int] = {}  # ino -> handles served by the daemon
         self.stats = Stats()
@@ -49,6 +49,11 @@ class Passthrough:
         """For a mount that never asks the kernel for passthrough: every handle is
         served by the daemon."""
         return cls(lambda fd: 0, lambda backing: None)
+
+    def enable(self) -> None:
+        """The kernel agreed to passthrough at INIT and a backing file registered: new
+        handles may bypass the daemon from now on."""
+        self.enabled = True
 
     def open(self, ino: int, fd: int, allowed: bool) -> int:
         """A new handle of `ino` (its data file open as `fd`): its backing id, or 0

@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import os
 
-from mtcfs.checksums import block_crcs_of_fd
-from mtcfs.fs.namespace import CLOSED, INCOMPLETE, OPEN, SEALING, Inode, Namespace
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.core.checksums import block_crcs_of_fd
+from mtcfs.core.copies import Copies
+from mtcfs.core.namespace import CLOSED, OPEN, SEALING, Inode, Namespace
+from mtcfs.core.versions import Versions
 from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger(__name__)
 
 
-def recover(ns: Namespace, ram: RamTier, copies: Copies) -> None:
+def recover(ns: Namespace, ram: RamTier, copies: Copies, versions: Versions) -> None:
     """Re-adopt the RAM dir: files that were being written when the daemon
     died are marked incomplete, never presented as good files."""
     incomplete = 0
@@ -28,12 +29,11 @@ def recover(ns: Namespace, ram: RamTier, copies: Copies) -> None:
         for node in ns.files():
             if node.state == SEALING and ram.exists(node.ino):
                 # Closed by its last writer; its checksum was not recorded yet.
-                _seal_at_start(ns, ram, copies, node, same_or_incomplete=False)
+                _seal_at_start(ns, ram, copies, versions, node, same_or_incomplete=False)
             elif node.state in (OPEN, SEALING):
-                if _seal_at_start(ns, ram, copies, node, same_or_incomplete=True):
+                if _seal_at_start(ns, ram, copies, versions, node, same_or_incomplete=True):
                     continue  # opened for writing, but its data never changed
-                node.state = INCOMPLETE
-                node.crc32c = None
+                versions.interrupted(node)
                 ns.persist(node)
                 incomplete += 1
                 log.warning(
@@ -45,7 +45,7 @@ def recover(ns: Namespace, ram: RamTier, copies: Copies) -> None:
             elif node.state == CLOSED and not ram.exists(node.ino) and node.size > 0:
                 copies.lost_at_start(node)
                 if not (node.generation or node.holders):  # nor in the bucket, nor on peers
-                    node.state = INCOMPLETE
+                    versions.lost(node)
                     log.error("file %s lost its data in the RAM dir: marked incomplete",
                               ns.path_of(node))
                 ns.persist(node)
@@ -56,8 +56,8 @@ def recover(ns: Namespace, ram: RamTier, copies: Copies) -> None:
                  adopted, ram.root, incomplete, orphans)
 
 
-def _seal_at_start(ns: Namespace, ram: RamTier, copies: Copies, node: Inode,
-                   same_or_incomplete: bool) -> bool:
+def _seal_at_start(ns: Namespace, ram: RamTier, copies: Copies, versions: Versions,
+                   node: Inode, same_or_incomplete: bool) -> bool:
     """At start-up, checksum a file's data in RAM. same_or_incomplete: accept it
     only if it is its last sealed version unchanged (an open that never wrote).
     Returns True when the file is sealed."""
@@ -75,10 +75,8 @@ def _seal_at_start(ns: Namespace, ram: RamTier, copies: Copies, node: Inode,
         os.close(fd)
     if same_or_incomplete and crc != node.crc32c:
         return False
-    if not same_or_incomplete and not (crc == node.crc32c and size == node.size):
-        node.version += 1
+    if versions.recovered(node, size, crc, blocks, same_version=same_or_incomplete):
         copies.sealed_here(node)
-    node.size, node.crc32c, node.block_crcs, node.state = size, crc, blocks, CLOSED
     ns.persist(node)
     log.info("sealed %s at start-up (%d bytes)", ns.path_of(node), size)
     return True

@@ -13,6 +13,8 @@ import os
 import time
 from collections.abc import Callable
 
+import trio
+
 
 class WriteClock:
     def __init__(self, stat_ram_file: Callable[[int], os.stat_result] | None = None) -> None:
@@ -20,6 +22,7 @@ class WriteClock:
         self._last = 0.0
         self._stat = stat_ram_file
         self._writing: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last seen
+        self._opened = trio.Event()  # a passthrough writer came (see writer_open)
 
     def wrote(self) -> None:
         self._last = time.monotonic()
@@ -28,6 +31,18 @@ class WriteClock:
         """A file was opened for writing through passthrough: watched until released."""
         self.wrote()
         self._writing.setdefault(ino, (-1, -1))
+        self._opened.set()
+
+    def passthrough_writers(self) -> int:
+        """Files open for writing through passthrough now."""
+        return len(self._writing)
+
+    async def writer_open(self) -> None:
+        """Return once a file is open for writing through passthrough (at once if one
+        is): what watches those writes sleeps, not polls, while there are none."""
+        while not self._writing:
+            self._opened = trio.Event()
+            await self._opened.wait()
 
     def passthrough_released(self, ino: int, writers_left: int) -> None:
         if not writers_left:

@@ -1,8 +1,8 @@
 """The CheckpointConfiguration controller (`mtcfs controller`).
 
 One pass (`reconcile_all`) reads every CPC and makes the cluster match it:
-RBAC, the CSIDriver, the node-daemon and CSI DaemonSets, the peer-token
-Secret; then writes the CPC's status (conditions Ready and Degraded,
+the CSIDriver, the node-daemon and CSI DaemonSets, the CPC's key in the
+peer-token Secret; then writes the CPC's status (conditions Ready and Degraded,
 observedGeneration). Unlike the managed MTC, a changed CPC is rolled out: an
 object is replaced (with its resourceVersion, so a concurrent writer is a 409
 and a retry) when the hash of what we want differs from the one recorded on
@@ -11,6 +11,12 @@ when its daemon pod is deleted (docs/gke.md, "Upgrades").
 
 The loop (`run`) does a pass, then watches CPCs until one changes or the
 resync period ends, and again; only the leader (leader.py) runs it.
+
+Least privilege (deploy/base/rbac.yaml): every call here is one the shipped
+Roles allow, and tests/test_k8s_controller.py checks each call the controller
+makes against them. Namespaced objects are only touched in `namespace`; the
+Secrets only by name; no RBAC objects are made (the node pods' ServiceAccount
+and ClusterRole are static).
 """
 
 from __future__ import annotations
@@ -26,24 +32,12 @@ from kubernetes.client.exceptions import ApiException
 from mtcfs.csi import DRIVER_NAME
 from mtcfs.k8s import CPC_KIND, CPC_PLURAL, GROUP, VERSION
 from mtcfs.k8s import objects as o
-from mtcfs.k8s.kube import (
-    CLUSTER_ROLE_BINDINGS,
-    CLUSTER_ROLES,
-    CSI_DRIVERS,
-    DAEMON_SETS,
-    EVENTS,
-    NODES,
-    SECRETS,
-    SERVICE_ACCOUNTS,
-    Kube,
-    Obj,
-    Resource,
-)
+from mtcfs.k8s.health import NO_MONITOR, PassMonitor
+from mtcfs.k8s.kube import CSI_DRIVERS, DAEMON_SETS, EVENTS, NODES, SECRETS, Kube, Obj, Resource
 
 log = logging.getLogger("mtcfs.controller")
 
 CPCS = Resource(GROUP, VERSION, CPC_PLURAL, CPC_KIND, False)
-EVENT_NAMESPACE = "default"  # where events about cluster-scoped objects go (kubectl looks there)
 
 
 def _now() -> str:
@@ -66,11 +60,13 @@ class Controller:
         namespace: str = o.DEFAULT_NAMESPACE,
         default_image: str = o.DEFAULT_IMAGE,
         identity: str = "mtcfs-controller",
+        monitor: PassMonitor = NO_MONITOR,
     ) -> None:
         self.kube = kube
         self.namespace = namespace
         self.default_image = default_image
         self.identity = identity
+        self.monitor = monitor
 
     # -- one pass ------------------------------------------------------------
 
@@ -164,6 +160,15 @@ class Controller:
                 self.kube.replace(res, obj)
                 return "updated"
             except ApiException as e:
+                if e.status == 422 and res == CSI_DRIVERS:
+                    # Most of a CSIDriver's spec is immutable (e.g. its lifecycle
+                    # modes, changed by an upgrade): replace it. Published volumes
+                    # are unaffected; a mount asked for in the gap is retried.
+                    log.info("CSIDriver %s: immutable fields changed; recreating it",
+                             meta["name"])
+                    self.kube.delete(res, meta["name"])
+                    meta.pop("resourceVersion", None)
+                    continue
                 if e.status not in (404, 409):
                     raise
         raise RuntimeError(f"{res.kind} {meta['name']}: kept conflicting with other writers")
@@ -178,10 +183,7 @@ class Controller:
         self.kube.delete(DAEMON_SETS, n["csi"], ns)
         spec = cpc.get("spec") or {}
         if not spec.get("peerTokenSecretRef"):
-            self.kube.delete(SECRETS, f"mtcfs-peer-token-{s_name}", ns)
-        self.kube.delete(SERVICE_ACCOUNTS, n["account"], ns)
-        self.kube.delete(CLUSTER_ROLE_BINDINGS, n["account"])
-        self.kube.delete(CLUSTER_ROLES, n["account"])
+            self._drop_token(s_name)
         if not [c for c in live if c["metadata"]["uid"] != cpc["metadata"]["uid"]]:
             self._delete_driver()
         log.info("%s: cleaned up", s_name)
@@ -206,22 +208,48 @@ class Controller:
                               "resourceVersion": meta.get("resourceVersion")}}
         return self.kube.merge_patch(CPCS, meta["name"], patch)
 
+    def _read_secret(self, name: str) -> Obj | None:
+        try:
+            return self.kube.get(SECRETS, name, self.namespace)
+        except ApiException as e:
+            if e.status != 403:
+                raise
+            raise o.SpecError(
+                "SecretForbidden",
+                f"Secret {self.namespace}/{name}: the controller may not read it; add its "
+                f"name to the resourceNames of Role {self.namespace}/mtcfs-controller "
+                f"(docs/gke.md, \"RBAC\")") from None
+
     def _ensure_secret(self, cpc: Obj, s: o.Settings) -> None:
-        cur = self.kube.get(SECRETS, s.token_secret, self.namespace)
-        if not s.token_generated:
-            if cur is None or s.token_key not in (cur.get("data") or {}):
-                raise o.SpecError(
-                    "SecretMissing",
-                    f"peerTokenSecretRef: Secret {self.namespace}/{s.token_secret} "
-                    f"with key {s.token_key!r} not found",
-                )
-            return
-        if cur is None:
+        """A referenced Secret must hold its key; a generated token is a key (the
+        CPC's name) of the shared Secret, added once with a conditional patch."""
+        for _ in range(5):
+            cur = self._read_secret(s.token_secret)
+            data = (cur or {}).get("data") or {}
+            if cur is None or (not s.token_generated and s.token_key not in data):
+                how = ("it is part of deploy/base" if s.token_generated
+                       else f"with key {s.token_key!r}")
+                raise o.SpecError("SecretMissing",
+                                  f"Secret {self.namespace}/{s.token_secret} not found ({how})")
+            if s.token_key in data:
+                return
+            patch = {"metadata": {"resourceVersion": cur["metadata"]["resourceVersion"]},
+                     "data": {s.token_key: o.new_token()}}
             try:
-                self.kube.create(SECRETS, o.token_secret(s, self.namespace, [o.owner_ref(cpc)]))
+                self.kube.merge_patch(SECRETS, s.token_secret, patch, self.namespace)
+                return
             except ApiException as e:
-                if e.status != 409:
+                if e.status != 409:  # another writer: read again
                     raise
+        raise RuntimeError(f"Secret {s.token_secret}: kept conflicting with other writers")
+
+    def _drop_token(self, cpc_name: str) -> None:
+        try:
+            self.kube.merge_patch(SECRETS, o.TOKENS_SECRET, {"data": {cpc_name: None}},
+                                  self.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def _readiness(self, s: o.Settings) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
         n = o.names(s.name)
@@ -246,6 +274,8 @@ class Controller:
         msg = "; ".join(msgs)
         if s.ignored_mount_options:
             msg += f"; gcsFuseMountOptions ignored: {', '.join(s.ignored_mount_options)}"
+        if s.ignored_fields:
+            msg += f"; ignored (no meaning for mtcfs): {', '.join(s.ignored_fields)}"
         if no_nodes:
             rd = ("False", "NoNodesSelected", f"no node matches nodeSelector; {msg}")
         elif ready:
@@ -289,7 +319,8 @@ class Controller:
         body = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": EVENT_NAMESPACE},
+            # Our own namespace: the Role allows events there only.
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": self.namespace},
             "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": CPC_KIND,
                                "name": meta["name"], "uid": meta.get("uid")},
             "type": etype,
@@ -318,7 +349,13 @@ class Controller:
         """Reconcile until `stop` (or until `leading()` turns false)."""
         while not stop.is_set() and leading():
             try:
-                rv = self.reconcile_all()
+                started = time.monotonic()
+                try:
+                    rv = self.reconcile_all()
+                except Exception:
+                    self.monitor.pass_done(False, time.monotonic() - started)
+                    raise
+                self.monitor.pass_done(True, time.monotonic() - started)
                 deadline = time.monotonic() + resync
                 # Any CPC change ends the wait early; DaemonSet status is picked
                 # up by the periodic pass.

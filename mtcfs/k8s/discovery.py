@@ -27,6 +27,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -151,6 +152,7 @@ class Discovery:
         self.label = failure_domain_label
         self.jobset = jobset
         self._nodes: dict[str, Obj] = {}  # node labels change rarely: fetched once each
+        self._daemons_version: str | None = None  # of the last scan's list: watched from
 
     def _node(self, name: str) -> Obj | None:
         if name not in self._nodes:
@@ -160,11 +162,31 @@ class Discovery:
             self._nodes[name] = node
         return self._nodes[name]
 
+    def wait_for_change(self, interval: float, stop: threading.Event) -> bool:
+        """Until a node-daemon pod changes (a watch from the last scan's list: a pod
+        deleted, evicted or new reaches the peers file in about a second, not at the
+        next pass), `interval` passes, or `stop`; True when stopped."""
+        deadline = time.monotonic() + interval
+        try:
+            while not stop.is_set() and time.monotonic() < deadline:
+                timeout = max(1, min(30, int(deadline - time.monotonic())))
+                for kind, _ in self.kube.watch(PODS, self._daemons_version, timeout,
+                                               self.daemon_namespace, self.daemon_selector):
+                    if kind != "BOOKMARK":
+                        return stop.is_set()
+        except Exception as e:  # no watch (an API hiccup, RBAC): the pass comes anyway
+            log.debug("watching the daemon pods: %s", e)
+            return stop.wait(max(0.0, deadline - time.monotonic()))
+        return stop.is_set()
+
     def scan(self) -> View:
-        # Every node polls: list from the API server's cache (cached=True).
-        daemons = [p for p in self.kube.list(PODS, self.daemon_namespace,
-                                             label_selector=self.daemon_selector, cached=True)
-                   if _running(p)]
+        # Every node polls: list from the API server's cache (resourceVersion 0).
+        listing = self.kube.request("GET", PODS.path(self.daemon_namespace),
+                                    {"labelSelector": self.daemon_selector,
+                                     "resourceVersion": "0"})
+        self._daemons_version = str((listing.get("metadata") or {}).get("resourceVersion")
+                                    or "") or None
+        daemons = [p for p in listing.get("items") or [] if _running(p)]
         if self.jobset:
             ns, name = self.jobset
             trainers = self.kube.list(PODS, ns, label_selector=f"{JOBSET_NAME}={name}",
@@ -264,5 +286,5 @@ def run(
             if once:
                 raise
             log.warning("discovery pass failed: %s", e)
-        if once or stop.wait(interval):
+        if once or discovery.wait_for_change(interval, stop):
             return

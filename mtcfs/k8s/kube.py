@@ -163,15 +163,19 @@ class Kube:
             raise
 
     def watch(
-        self, res: Resource, resource_version: str | None, timeout: int
+        self, res: Resource, resource_version: str | None, timeout: int,
+        namespace: str | None = None, label_selector: str | None = None,
     ) -> Iterator[tuple[str, Obj]]:
         """One watch request: (type, object) until the server closes it after `timeout` s."""
+        from urllib.parse import quote
+
         from kubernetes import watch  # the client's own stream decoder
 
-        path = res.path() + "?" + "&".join(
-            f"{k}={v}" for k, v in {
+        path = res.path(namespace) + "?" + "&".join(
+            f"{k}={quote(str(v), safe='')}" for k, v in {
                 "watch": "true", "timeoutSeconds": timeout,
                 "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+                "labelSelector": label_selector,
             }.items() if v is not None
         )
         headers = {"Accept": "application/json"}

@@ -55,6 +55,9 @@ class LeaderElector:
         self.leading = threading.Event()
         self._observed: tuple[str | None, str | None] | None = None  # (holder, renewTime)
         self._observed_at = 0.0
+        # For the controller's probes: when it last tried, and last reached the API.
+        self.attempted_at = time.monotonic()
+        self.answered_at: float | None = None
 
     def is_leader(self) -> bool:
         return self.leading.is_set()
@@ -66,6 +69,7 @@ class LeaderElector:
     def try_acquire_or_renew(self) -> bool:
         now = time.monotonic()
         lease = self.kube.get(LEASES, self.name, self.namespace)
+        self.answered_at = now
         spec_new: Obj = {
             "holderIdentity": self.identity,
             # The API field is whole seconds; round up so nobody expires early.
@@ -158,6 +162,7 @@ class LeaderElector:
             return
 
     def _attempt(self) -> bool:
+        self.attempted_at = time.monotonic()
         try:
             return self.try_acquire_or_renew()
         except Exception as e:  # API down: count as a failed attempt, keep trying

@@ -13,22 +13,33 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from kubernetes.utils import parse_quantity as _k8s_quantity
+
 from mtcfs import __version__
 from mtcfs.csi import DRIVER_NAME
 from mtcfs.k8s import CPC_KIND, DAEMON_APP, DEFAULT_NAMESPACE, GROUP, PEER_PORT, VERSION
-from mtcfs.k8s.kube import (
-    CLUSTER_ROLE_BINDINGS,
-    CLUSTER_ROLES,
-    CSI_DRIVERS,
-    DAEMON_SETS,
-    SERVICE_ACCOUNTS,
-    Obj,
-    Resource,
-)
+from mtcfs.k8s.kube import CSI_DRIVERS, DAEMON_SETS, Obj, Resource
 
-DEFAULT_IMAGE = f"mtcfs:{__version__}"
+# Fully qualified: a bare "mtcfs" resolves to docker.io/library/mtcfs. Used only
+# when the controller cannot read its own pod's image (cli/controller.py); the
+# kustomizations set the real one (`kustomize edit set image`).
+IMAGE_REPOSITORY = "registry.example.com/mtcfs/mtcfs"
+DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 __all__ = ["DAEMON_APP", "DEFAULT_NAMESPACE", "PEER_PORT"]  # re-exported
-REGISTRAR_IMAGE = "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
+# Tag for people, digest for the kubelet (a tag can be moved; the digest cannot).
+REGISTRAR_IMAGE = (
+    "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
+    "@sha256:d7138bcc3aa5f267403d45ad4292c95397e421ea17a0035888850f424c7de25d"
+)
+LIVENESS_PROBE_IMAGE = (
+    "registry.k8s.io/sig-storage/livenessprobe:v2.15.0"
+    "@sha256:2c5f9dc4ea5ac5509d93c664ae7982d4ecdec40ca7b0638c24e5b16243b8360f"
+)
+# The node pods' identity, static in deploy/base/rbac.yaml (the controller makes
+# no RBAC objects), and the Secret the generated peer tokens live in, one key per
+# CPC (so the controller's Role can name it: resourceNames).
+NODE_ACCOUNT = "mtcfs-node"
+TOKENS_SECRET = "mtcfs-peer-tokens"
 
 FINALIZER = "mtcfs.dev/cleanup"
 LABEL_CPC = "mtcfs.dev/checkpoint-configuration"
@@ -44,19 +55,16 @@ HOST_RAM = "/dev/shm/mtcfs"
 KUBELET = "/var/lib/kubelet"
 PLUGIN_DIR = f"{KUBELET}/plugins/{DRIVER_NAME}"
 METRICS_PORT = 9466
+CSI_HEALTH_PORT = 9808  # the livenessprobe sidecar's, on the CSI pod's own IP
 RUN_DIR = "/run/mtcfs"  # the peers file and the node's TOML, written by discovery
 PEERS_FILE = f"{RUN_DIR}/peers"
 NODE_CONFIG = f"{RUN_DIR}/node.toml"
 TOKEN_DIR = "/etc/mtcfs/token"
+GOOGLE_DIR = "/etc/mtcfs/google"
 
 PERSIST_RE = re.compile(r"^(on-close|step|manual|interval:[1-9][0-9]*)$")
 FSYNC_LEVELS = ("local", "replicas", "gcs")
 DATA_PATHS = ("auto", "passthrough", "fuse")
-_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_QUANTITY_UNITS = {
-    None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-}
 
 
 class SpecError(ValueError):
@@ -83,25 +91,46 @@ class Settings:
     keep_steps: int | None = None
     fsync: str = "local"
     data_path: str = "auto"
+    peer_encryption: bool = False
     failure_domain_label: str = "topology.kubernetes.io/zone"
     token_secret: str = ""
     token_key: str = "token"
     token_generated: bool = True
     image: str = DEFAULT_IMAGE
     list_refresh: float | None = None
-    csi_ephemeral_limit: int | None = None
+    csi_ephemeral_limit: str | None = None  # a quantity; None: no limit
     ignored_mount_options: list[str] = field(default_factory=list)
+    ignored_fields: list[str] = field(default_factory=list)
+    # (Secret, key) of a Google credentials file for the daemons; None: the node's
+    # identity (Workload Identity does not reach hostNetwork pods).
+    google_credentials: tuple[str, str] | None = None
+
+
+def _quantity(what: str, q: str | int) -> int:
+    """A Kubernetes quantity in bytes, parsed by the client library."""
+    try:
+        n = int(_k8s_quantity(str(q).strip()))
+    except ValueError:
+        raise SpecError("InvalidSpec", f"{what} {q!r} is not a quantity such as 64Gi") from None
+    if n < 0:
+        raise SpecError("InvalidSpec", f"{what} {q!r} is negative")
+    return n
 
 
 def parse_quantity(q: str | int) -> int:
-    """A Kubernetes memory quantity ("64Gi", "500M", "1073741824") in bytes."""
-    m = _QUANTITY_RE.match(str(q).strip())
-    if not m:
-        raise SpecError("InvalidSpec", f"inMemoryVolumeSize {q!r} is not a quantity such as 64Gi")
-    n = int(float(m.group(1)) * _QUANTITY_UNITS[m.group(2)])
+    """inMemoryVolumeSize ("64Gi", "500M", "1073741824") in bytes."""
+    n = _quantity("inMemoryVolumeSize", q)
     if n < 64 << 20:
         raise SpecError("InvalidSpec", f"inMemoryVolumeSize {q!r} is below the 64Mi minimum")
     return n
+
+
+def ephemeral_limit(q: str | int | None) -> str | None:
+    """csiEphemeralLimit as the quantity to set, None for no limit ("0", as the
+    managed MTC reads it). An integer is bytes."""
+    if q is None or _quantity("csiEphemeralLimit", q) == 0:
+        return None
+    return str(q).strip()
 
 
 # gcsFuseMountOptions come from the managed MTC, which mounts the bucket with
@@ -178,6 +207,9 @@ def settings_from(cpc: Obj, default_image: str) -> Settings:
         raise SpecError("InvalidSpec", f"spec.dataPath {data_path!r} is not one of {DATA_PATHS}")
     ref = spec.get("peerTokenSecretRef") or {}
     name = meta["name"]
+    ignored_fields = ["enableExternalJaxProcessIds"] if spec.get(
+        "enableExternalJaxProcessIds") else []
+    gref = spec.get("googleCredentialsSecretRef") or {}
     return Settings(
         name=name,
         uid=meta.get("uid", ""),
@@ -191,14 +223,18 @@ def settings_from(cpc: Obj, default_image: str) -> Settings:
         keep_steps=spec.get("keepSteps"),
         fsync=fsync,
         data_path=data_path,
+        peer_encryption=spec.get("peerEncryption") is True,
         failure_domain_label=spec.get("failureDomainLabel", "topology.kubernetes.io/zone"),
-        token_secret=ref.get("name") or f"mtcfs-peer-token-{name}",
-        token_key=ref.get("key") or "token",
+        token_secret=ref.get("name") or TOKENS_SECRET,
+        token_key=(ref.get("key") or "token") if ref else name,
         token_generated=not ref,
         image=spec.get("image") or default_image,
         list_refresh=refresh,
-        csi_ephemeral_limit=spec.get("csiEphemeralLimit"),
+        csi_ephemeral_limit=ephemeral_limit(spec.get("csiEphemeralLimit")),
         ignored_mount_options=ignored,
+        ignored_fields=ignored_fields,
+        google_credentials=(gref["name"], gref.get("key") or "credentials.json")
+        if gref.get("name") else None,
     )
 
 
@@ -241,7 +277,6 @@ def names(cpc_name: str) -> dict[str, str]:
     return {
         "daemon": f"{DAEMON_APP}-{cpc_name}",
         "csi": f"{CSI_APP}-{cpc_name}",
-        "account": f"mtcfs-node-{cpc_name}",
     }
 
 
@@ -255,6 +290,25 @@ _DOWNWARD_ENV = [
     {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
 ]
+
+
+_UNPRIVILEGED: Obj = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+# The CSI sidecars: root, for the root-owned kubelet directories and socket, but
+# with no capabilities beyond a file owner's.
+_SIDECAR: Obj = {
+    "runAsUser": 0,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 def _host_path(name: str, path: str, kind: str = "DirectoryOrCreate") -> Obj:
@@ -281,11 +335,15 @@ def daemon_args(s: Settings) -> list[str]:
         "--fsync", s.fsync,
         "--data-path", s.data_path,
         "--metrics-port", str(METRICS_PORT),
+        # hostNetwork: the node's IP, not 0.0.0.0 (docs/gke.md, "Metrics").
+        "--metrics-address", "$(HOST_IP)",
         "--log-format", "json",
         "-o", "allow_other",  # training containers do not run as the daemon's user
     ]
     if s.keep_steps is not None:
         args += ["--keep-steps", str(s.keep_steps)]
+    if s.peer_encryption:
+        args.append("--peer-encryption")
     if s.list_refresh is not None:
         args += ["--list-refresh", f"{s.list_refresh:g}"]
     return args
@@ -321,6 +379,8 @@ def daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
             "failureThreshold": 120,
         },
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        # Reads the API and writes two files into an emptyDir: no privileges.
+        "securityContext": _UNPRIVILEGED,
         "volumeMounts": [{"name": "run", "mountPath": RUN_DIR}],
     }
     unmount_stale = {
@@ -368,8 +428,14 @@ def daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
             {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
         ],
     }
+    if s.google_credentials:
+        secret, key = s.google_credentials
+        daemon["env"] = [*_DOWNWARD_ENV, {"name": "GOOGLE_APPLICATION_CREDENTIALS",
+                                          "value": f"{GOOGLE_DIR}/{key}"}]
+        daemon["volumeMounts"].append({"name": "google", "mountPath": GOOGLE_DIR,
+                                       "readOnly": True})
     pod_spec: Obj = {
-        "serviceAccountName": n["account"],
+        "serviceAccountName": NODE_ACCOUNT,
         "hostNetwork": True,  # a stable peer address: the node's IP
         "dnsPolicy": "ClusterFirstWithHostNet",
         "priorityClassName": "system-node-critical",
@@ -390,6 +456,10 @@ def daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
             }},
         ],
     }
+    if s.google_credentials:
+        secret, key = s.google_credentials
+        pod_spec["volumes"].append({"name": "google", "secret": {
+            "secretName": secret, "items": [{"key": key, "path": key}], "defaultMode": 0o400}})
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -429,7 +499,22 @@ def csi_daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
             # The daemon's mount (and its re-mount after a restart) must be seen here.
             {"name": "state", "mountPath": HOST_ROOT, "mountPropagation": "HostToContainer"},
         ],
+        "ports": [{"name": "healthz", "containerPort": CSI_HEALTH_PORT, "protocol": "TCP"}],
+        # The livenessprobe sidecar answers /healthz by calling the plugin's Probe
+        # RPC: a plugin that no longer serves gRPC is restarted.
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "healthz"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+            "failureThreshold": 5,
+        },
     }
+    if s.csi_ephemeral_limit:
+        # csiEphemeralLimit, applied as the managed MTC does: a cap on the CSI
+        # pod's local ephemeral storage (logs, writable layer); over it, the
+        # kubelet evicts the pod (mounts stay: the plugin is stateless).
+        plugin["resources"]["limits"] = {"ephemeral-storage": s.csi_ephemeral_limit}
     registrar = {
         "name": "node-driver-registrar",
         "image": REGISTRAR_IMAGE,
@@ -437,11 +522,27 @@ def csi_daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
             "--csi-address=/csi/csi.sock",
             f"--kubelet-registration-path={PLUGIN_DIR}/csi.sock",
         ],
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+        "securityContext": _SIDECAR,
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
+                      "limits": {"memory": "64Mi"}},
         "volumeMounts": [
             {"name": "plugin-dir", "mountPath": "/csi"},
             {"name": "registration-dir", "mountPath": "/registration"},
         ],
+    }
+    liveness = {
+        "name": "liveness-probe",
+        "image": LIVENESS_PROBE_IMAGE,
+        "args": [
+            "--csi-address=/csi/csi.sock",
+            # The pod IP (not hostNetwork): the kubelet probes it there.
+            f"--http-endpoint=:{CSI_HEALTH_PORT}",
+            "--probe-timeout=3s",
+        ],
+        "securityContext": _SIDECAR,
+        "resources": {"requests": {"cpu": "5m", "memory": "16Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "volumeMounts": [{"name": "plugin-dir", "mountPath": "/csi"}],
     }
     return {
         "apiVersion": "apps/v1",
@@ -454,11 +555,11 @@ def csi_daemon_set(s: Settings, ns: str, owners: list[Obj]) -> Obj:
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
-                    "serviceAccountName": n["account"],
+                    "serviceAccountName": NODE_ACCOUNT,
                     "priorityClassName": "system-node-critical",
                     "nodeSelector": s.node_selector,
                     "tolerations": s.tolerations,
-                    "containers": [plugin, registrar],
+                    "containers": [plugin, registrar, liveness],
                     "volumes": [
                         _host_path("plugin-dir", PLUGIN_DIR),
                         _host_path("registration-dir", f"{KUBELET}/plugins_registry", "Directory"),
@@ -485,53 +586,24 @@ def csi_driver(owners: list[Obj]) -> Obj:
         "spec": {
             "attachRequired": False,
             "podInfoOnMount": True,  # the plugin needs the pod's namespace and name
-            "volumeLifecycleModes": ["Ephemeral"],
+            # Inline volumes, and static PersistentVolumes (docs/csi.md).
+            "volumeLifecycleModes": ["Persistent", "Ephemeral"],
             "fsGroupPolicy": "None",  # a chown walk over a checkpoint tree would be ruinous
         },
     }
 
 
-def rbac(s: Settings, ns: str, owners: list[Obj]) -> list[tuple[Resource, Obj]]:
-    """The node pods' identity: discovery lists pods and nodes, the CSI plugin reads
-    a pod's jobset label."""
-    n = names(s.name)
-    account = {"apiVersion": "v1", "kind": "ServiceAccount",
-               "metadata": _meta(s, n["account"], DAEMON_APP, owners, ns)}
-    role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": _meta(s, n["account"], DAEMON_APP, owners),
-        "rules": [{"apiGroups": [""], "resources": ["pods", "nodes"],
-                   "verbs": ["get", "list", "watch"]}],
-    }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": _meta(s, n["account"], DAEMON_APP, owners),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": n["account"]},
-        "subjects": [{"kind": "ServiceAccount", "name": n["account"], "namespace": ns}],
-    }
-    return [(SERVICE_ACCOUNTS, account), (CLUSTER_ROLES, role), (CLUSTER_ROLE_BINDINGS, binding)]
-
-
-def token_secret(s: Settings, ns: str, owners: list[Obj]) -> Obj:
-    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": _meta(s, s.token_secret, DAEMON_APP, owners, ns),
-        "data": {s.token_key: token},
-    }
+def new_token() -> str:
+    """A generated peer token, base64 as Secret data holds it."""
+    return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
 
 
 def desired(s: Settings, ns: str, cpc: Obj, driver_owners: list[Obj]) -> list[tuple[Resource, Obj]]:
-    """Everything one CPC owns except its generated Secret (created once, never
-    replaced: a new token would cut every running daemon off its peers)."""
+    """Everything one CPC owns except its generated token (written once into the
+    shared Secret, never replaced: a new token would cut every running daemon off
+    its peers). No RBAC objects: the node pods' account is static."""
     owners = [owner_ref(cpc)]
     return [
-        *rbac(s, ns, owners),
         (CSI_DRIVERS, csi_driver(driver_owners)),
         (DAEMON_SETS, daemon_set(s, ns, owners)),
         (DAEMON_SETS, csi_daemon_set(s, ns, owners)),

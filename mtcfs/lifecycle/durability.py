@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from mtcfs.events import Listener
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.core.copies import Copies
+from mtcfs.core.events import Listener
 
 if TYPE_CHECKING:
-    from mtcfs.fs.namespace import Inode, Namespace
-    from mtcfs.persist.steps import StepRules
+    from mtcfs.core.namespace import Inode, Namespace
+    from mtcfs.core.steps import StepRules
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,19 @@ class Persister(Protocol):
         """Persist these files now, whatever the policy."""
         ...
 
+    def persists(self, node: Inode) -> bool:
+        """The file is ever uploaded (there is a durable tier, and it is not under a
+        temporary name)."""
+        ...
+
 
 class Durability(Listener):
-    """fsync's level. `persister` is None without a durable tier; `peers`: whether
-    peers are configured (level gcs falls back to replicas for files never uploaded)."""
+    """fsync's level. `persister`: the uploads (absent.NoUploader without a durable
+    tier); `peers`: whether peers are configured (level gcs falls back to replicas for
+    files never uploaded)."""
 
     def __init__(self, ns: Namespace, copies: Copies, events: Listener, rules: StepRules,
-                 level: str, timeout: float, persister: Persister | None,
+                 level: str, timeout: float, persister: Persister,
                  peers: bool) -> None:
         self.ns = ns
         self.copies = copies
@@ -80,7 +86,7 @@ class Durability(Listener):
 
     def level_for(self, node: Inode) -> str:
         level = self.level
-        if level == GCS and (self.persister is None or self.rules.is_temporary(self.ns, node)):
+        if level == GCS and not self.persister.persists(node):
             level = REPLICAS if self.copies.replicas and self.peers else LOCAL
         return level
 
@@ -98,7 +104,7 @@ class Durability(Listener):
         level = self.level_for(node)
         if self.reached(node, level):
             return
-        if level == GCS and self.persister is not None:
+        if level == GCS:
             self.persister.request([node])  # whatever the persist policy says
         t0 = time.monotonic()
         version = node.version

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mtcfs.events import Listener
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.core.copies import Copies
+from mtcfs.core.events import Listener
 
 if TYPE_CHECKING:
-    from mtcfs.fs.namespace import Inode
+    from mtcfs.core.namespace import Inode
 
 # Files are tracked from their seal until replicated and persisted; at most this many.
 MAX_TRACKED = 100_000

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from mtcfs.events import Listener
-from mtcfs.fs.namespace import OPEN, ROOT
-from mtcfs.lifecycle.retired import RetiredSteps
+from mtcfs.core.events import Listener
+from mtcfs.core.namespace import OPEN, ROOT
+from mtcfs.core.retired import RetiredSteps
+from mtcfs.core.steps import StepRules, dirs_under, files_under, step_number
 from mtcfs.lifecycle.space import SpaceManager, step_view
 from mtcfs.lifecycle.withdrawal import SUFFIX as WITHDRAWN_SUFFIX
-from mtcfs.persist.steps import StepRules, dirs_under, files_under, step_number
 
 if TYPE_CHECKING:
+    from mtcfs.core.namespace import Inode
     from mtcfs.fs.filesystem import Filesystem
-    from mtcfs.fs.namespace import Inode
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ class Retention(Listener):
         self._wake = trio.Event()
 
     # -- events (Listener): a pass may now evict or remove more ----------------------------
+
+    def kept(self) -> set[int]:
+        """The step directories --keep-steps keeps now."""
+        return step_view(self.ns, self.rules, self.keep).kept
 
     def sealed(self, node: Inode) -> None:
         self._wake.set()
@@ -96,7 +100,7 @@ class Retention(Listener):
             for f in files_under(self.ns, d):
                 if f.persisted and space.copies.resident(f) and not space.busy(f):
                     freed += space.evict(f, "retention")
-        self.retired.dirs = retired
+        self.retired.replace(retired)
         newest = step_number(view.complete[-1].name)
         if newest is not None:
             self._drop_stale_incomplete(newest)

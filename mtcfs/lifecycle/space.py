@@ -19,20 +19,20 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from mtcfs.events import Listener
-from mtcfs.lifecycle.copies import CACHE, OWN, REPLICA, Copies
-from mtcfs.persist.steps import StepRules, all_steps, files_under, step_number
+from mtcfs.core.copies import CACHE, OWN, REPLICA, Copies
+from mtcfs.core.events import Listener
+from mtcfs.core.steps import StepRules, all_steps, files_under, step_number
 from mtcfs.sizes import format_size
 
 if TYPE_CHECKING:
-    from mtcfs.fs.namespace import Inode, Namespace
-    from mtcfs.peer.membership import Peer
+    from mtcfs.core.events import Peer
+    from mtcfs.core.namespace import Inode, Namespace
     from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class SpaceManager(Listener):
         self.stats.evicted_bytes[reason] = self.stats.evicted_bytes.get(reason, 0) + before
         log.info("evicted %s from RAM (%s, %s; %s)", path, reason, format_size(before),
                  "persisted" if node.persisted else
-                 f"{self.copies.elsewhere(node)} live peer copies")
+                 f"{(n := self.copies.elsewhere(node))} live peer cop{'y' if n == 1 else 'ies'}")
         return before
 
     def evict_all(self, nodes: Iterable[Inode], reason: str) -> int:
@@ -255,13 +255,18 @@ class SpaceManager(Listener):
             log.error("ENOSPC writing %s: %s", what, why)
         raise NoSpace(why)
 
-    async def keep_room(self, headroom: int) -> None:
+    async def keep_room(self, headroom: int,
+                        writer_open: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
+                        ) -> None:
         """With passthrough (writes the daemon does not see, bounded by the kernel's
         tmpfs): evict safe copies ahead of need, to keep twice `headroom` free, so that
         writers rarely meet a full tier; say so when it fills up anyway (those writers
-        get ENOSPC from the kernel, at once)."""
+        get ENOSPC from the kernel, at once). `writer_open()`: returns once a file is
+        open for writing through passthrough; with none (an idle host) nothing is
+        looked at (the daemon's own writes make room as they go)."""
         ram = self.ram
         while True:
+            await writer_open()
             await trio.sleep(KEEP_ROOM_EVERY)
             if ram.free < 2 * headroom:
                 self.make_room_now(2 * headroom)
@@ -295,12 +300,13 @@ class SpaceManager(Listener):
                     why = "replicas not yet persisted"
                 else:
                     why = "not yet persisted" + (
-                        f" nor in {self.copies.replicas} peer copies"
+                        f" nor in {self.copies.replicas} peer "
+                        f"cop{'y' if self.copies.replicas == 1 else 'ies'}"
                         if self.copies.replicas and not self.copies.durable else "")
                 c = held.setdefault(why, [0, 0])
                 c[0] += 1
                 c[1] += ram.charged(node.ino)
-        parts = [f"{n} files / {format_size(b)} {why}"
+        parts = [f"{n} file{'' if n == 1 else 's'} / {format_size(b)} {why}"
                  for why, (n, b) in sorted(held.items(), key=lambda kv: -kv[1][1])]
         return (f"RAM tier full ({format_size(ram.used)} of {format_size(ram.capacity)} used, "
                 f"{format_size(need)} needed): " + ("; ".join(parts) or "nothing held")

@@ -12,7 +12,9 @@ those names, so its own "latest step" logic lands on the newest intact step.
 The evidence stays (files and names; the lost files are the ones without a
 copy) and `mtcfs steps` shows it on every host, since it is read from the
 names; should a lost file come back (its holder rejoins with its RAM intact),
-the step is reinstated under its own names.
+the step is reinstated under its own names (only when every file seen lost in it
+is back, and every file of it is in the bucket or in the acting host's RAM: one
+removed meanwhile keeps it withdrawn, and so does a stale holder entry).
 
 A holder counts as gone only once it has been down for 15 s (membership.GONE_AFTER)
 as this host sees it: a frozen daemon, a cut link or a daemon restarting over
@@ -38,15 +40,15 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from mtcfs.events import Listener
+from mtcfs.core.copies import Copies
+from mtcfs.core.events import Listener
+from mtcfs.core.namespace import ROOT
+from mtcfs.core.steps import StepRules, all_steps, files_under
 from mtcfs.fs.filesystem import FsError
-from mtcfs.fs.namespace import ROOT
-from mtcfs.lifecycle.copies import Copies
-from mtcfs.persist.steps import StepRules, all_steps, files_under
 
 if TYPE_CHECKING:
+    from mtcfs.core.namespace import Inode
     from mtcfs.fs.filesystem import Filesystem
-    from mtcfs.fs.namespace import Inode
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ class Withdrawal(Listener):
         self.reinstated = 0
         self._wake = trio.Event()
         self._recovering: dict[int, float] = {}  # withdrawn step dir -> whole again since
+        # Withdrawn step dir -> the global ids of the files seen lost in it (by this
+        # host, acting or not): it is reinstated only once each of them is back. A lost
+        # file removed meanwhile (retention of an old step, a user) stays missing.
+        self._lost_in: dict[int, set[str]] = {}
         self._wake_at = math.inf  # a pass due then (a grace ends)
         # Observers (metrics): called once per step withdrawn.
         self.observers: list[Callable[[], None]] = []
@@ -127,6 +133,10 @@ class Withdrawal(Listener):
         return max([0.0, *waits])
 
     async def pass_once(self) -> None:
+        # (Withdrawn before this pass: one withdrawn in it has lost files, nothing to
+        # reinstate yet.)
+        withdrawn = self._withdrawn_dirs()
+        self._note_lost(withdrawn)
         if not self.acting():
             return
         ns = self.fs.ns
@@ -145,9 +155,13 @@ class Withdrawal(Listener):
             if lost:
                 await self._withdraw(d, lost)
         recovering = {}
-        for d in [n for n in list(ns.inodes.values()) if n.is_dir and n.linked
-                  and self.hidden_markers(n)]:
-            if any(self.lost(f) for f in files_under(ns, d)):
+        for d in withdrawn:
+            files = list(files_under(ns, d))
+            if (any(self.lost(f) for f in files) or self._still_missing(d)
+                    or not all(f.persisted or f.has_data for f in files)):
+                # (Back means in the bucket or in this host's RAM: a holder entry may be
+                # stale, e.g. a host replaced by an empty one whose "I hold none of
+                # these" has not reached us; a chaos run reinstated a step on one.)
                 continue
             # A host replaced by an empty one under the same node id is live again
             # before its "I hold none of these" reaches us: its old holder entries
@@ -161,6 +175,30 @@ class Withdrawal(Listener):
             else:
                 self._wake_at = min(self._wake_at, since + REINSTATE_AFTER)
         self._recovering = recovering
+
+    def _withdrawn_dirs(self) -> list[Inode]:
+        return [n for n in list(self.fs.ns.inodes.values())
+                if n.is_dir and n.linked and self.hidden_markers(n)]
+
+    def _note_lost(self, withdrawn: list[Inode]) -> None:
+        ns = self.fs.ns
+        inos = {d.ino for d in withdrawn}
+        for ino in [i for i in self._lost_in if i not in inos]:
+            del self._lost_in[ino]
+        for d in withdrawn:
+            lost = {f.guid for f in files_under(ns, d) if f.guid and self.lost(f)}
+            if lost:
+                self._lost_in.setdefault(d.ino, set()).update(lost)
+
+    def _still_missing(self, d: Inode) -> bool:
+        """A file seen lost in withdrawn `d` is not back in it (removed, or still
+        without a copy)."""
+        ns = self.fs.ns
+        for gid in self._lost_in.get(d.ino, ()):
+            f = ns.by_global_id(gid)
+            if f is None or not f.linked or not ns.is_ancestor(d, f) or self.lost(f):
+                return True
+        return False
 
     def _inside_step(self, d: Inode) -> bool:
         """`d` lies inside a committed or withdrawn step (Orbax's item directories carry
@@ -184,12 +222,15 @@ class Withdrawal(Listener):
         ns = self.fs.ns
         path = ns.path_of(d)
         names = [ns.path_of(f) for f in lost]
+        guids = {f.guid for f in lost if f.guid}
         markers = [name for name in list(d.children or {}) if self.rules.is_marker_name(name)]
         for name in markers:
             await self._rename(d, name, d, name + _SUFFIX)
         parent = ns.inodes[d.parent]
         if d.name + _SUFFIX not in (parent.children or {}):
             await self._rename(parent, d.name, parent, d.name + _SUFFIX)
+        if guids:
+            self._lost_in.setdefault(d.ino, set()).update(guids)
         self.withdrawn += 1
         for observe in self.observers:
             observe()
@@ -230,7 +271,5 @@ class Withdrawal(Listener):
         return d.is_dir and bool(self.hidden_markers(d))
 
     def status(self) -> dict[str, object]:
-        ns = self.fs.ns
-        now = sum(1 for n in ns.inodes.values() if n.is_dir and n.linked and self.hidden_markers(n))
         return {"withdrawn_steps": self.withdrawn, "reinstated_steps": self.reinstated,
-                "withdrawn_now": now}
+                "withdrawn_now": len(self._withdrawn_dirs())}

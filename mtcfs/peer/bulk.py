@@ -2,41 +2,38 @@
 beside gRPC, which stays the control plane (index, health, push offers).
 
 Through gRPC every 1 MiB chunk was a protobuf message built and parsed in
-Python; here the sender hands the kernel a sendfile() from the RAM file and
-the receiver splice()s each block from the socket through a pipe into the
-destination file (one copy, in the kernel; the pipe gathers up to the file's
-next MiB boundary first, see Conn._splice_into), then checks it through a
-mapping of the file in a second thread while the next block arrives. Receiving into a
-buffer and pwrite()ing it copied every byte twice, and the checks waited for
-the socket and the socket for the checks.
+Python; here each 4 MiB block crosses as one frame. One pass over each byte per
+side: the sender reads a block into a buffer once, authenticates it (AES-GMAC,
+or encrypts it with AES-GCM under --peer-encryption) and sends that buffer; the
+receiver receives into a buffer, checks the tag and the block's crc32c there and
+only then writes it into its file. Never a second read of the file, and never a
+byte written that did not verify. The checks run in worker threads (OpenSSL and
+crc32c release the GIL) while the connection's thread moves the next block.
 
 Security is no weaker than the gRPC calls' token:
 
 - A connection counts only after a mutual challenge-response on the shared
-  token: the server sends a fresh random nonce, the client answers with its own
-  nonce and a keyed BLAKE3 MAC of both, the server answers with a MAC of both
-  too (under a different label). The token never travels; a recorded answer
-  replayed on a new connection fails, the server's nonce being new.
-- Every frame (control messages and data blocks) carries a keyed BLAKE3 MAC
-  under a per-connection key (derived from the token and both nonces) over the
-  direction, a frame counter, the frame's header and the BLAKE3 digest of its
-  bytes (hash-then-MAC: as strong as the MAC of the bytes themselves while
-  BLAKE3 resists collisions): a block cannot be altered, replayed, reordered or
-  reflected. A block counts only after its MAC and its crc32c (against the
-  index's block crc32cs) both matched. It lands in its file first, but only in
-  a file no one reads before it counts: a replica's temporary file, or the
-  private file a download fills, whose readers wait for verified ranges.
-- Because the MAC covers a digest, a host that knows a block's digest already
-  does not read the block to send it: `BlockHashes` remembers the digests of
-  blocks this host sent or verified (a push computes them once on the writer
-  and verifies them on the replica's holder), so serving a restore is a bare
-  sendfile(). A remembered digest that no longer matches the bytes (a file
-  changed in place) fails the receiver's MAC check: never served as good.
+  token: the server sends the wire's version, its settings and a fresh random
+  nonce; the client answers with its settings, its own nonce and a keyed BLAKE3
+  MAC of all of it; the server answers with a MAC of the same (under a different
+  label). The token never travels; a recorded answer replayed on a new
+  connection fails, the server's nonce being new. Settings that differ (one side
+  encrypts, the other does not) and another version of the wire end the
+  handshake with an error that says so, never with bytes misread.
+- Every frame (control messages and data blocks) carries a 16-byte AES-GCM tag
+  under a per-connection, per-direction AES-256 key (derived from the token and
+  both nonces). Its nonce is the frame's number in that direction (a key never
+  sees a nonce twice); the header (frame number, kind, offset, length) and the
+  frame's bytes are authenticated (as associated data: AES-GMAC), or, with
+  --peer-encryption, the bytes are encrypted and the header authenticated. A
+  block cannot be altered, replayed, reordered, truncated, reflected or moved to
+  another connection. A block counts only after its tag and its crc32c (against
+  the index's block crc32cs) both matched.
 - With --tls-* the connection is TLS (the ssl module), like the gRPC channel.
 
-Wire format, after the handshake: frames of a 45-byte header (kind, offset,
-length, MAC) and `length` bytes. Kind C is a control message (JSON), kind B one
-block (4 MiB, the last one shorter) of the file at `offset`. Requests:
+Wire format (version 2), after the handshake: frames of a 29-byte header (kind,
+offset, length, tag) and `length` bytes. Kind C is a control message (JSON),
+kind B one block (4 MiB, the last one shorter) of the file at `offset`. Requests:
 `push` (a replica: header, blocks in order, `end`; the receiver verifies the
 whole file and answers), `fetch` (a block range of a held file) and `chunk`
 (one chunk of a file the server restores from the durable tier, or has:
@@ -49,12 +46,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
+import functools
 import hmac
 import inspect
 import json
 import logging
-import mmap
 import os
 import select
 import socket
@@ -62,16 +58,18 @@ import ssl
 import struct
 import tempfile
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import crc32c
-import google_crc32c
 from blake3 import blake3
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.message import DecodeError
 
-from mtcfs.checksums import BLOCK, BlockVerifier, IntegrityError, block_count, crc32c_combine
+from mtcfs.core.checksums import BLOCK, BlockVerifier, IntegrityError, block_count, crc32c_combine
 from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.server import PeerHandler, Refused
@@ -80,10 +78,15 @@ from mtcfs.tiers.ram import RamTierFull
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MTCFSBK1"
+WIRE = b"MTCFSBK"  # + the wire's version, one digit
+VERSION = 2  # 1: BLAKE3 MACs over digests (mtcfs before AES-GMAC)
+MAGIC = WIRE + str(VERSION).encode()
 NONCE = 32
-MAC = 32
-HEADER = struct.Struct("<cQI32s")  # kind, offset, length, MAC
+MAC = 32  # the handshake's answers (keyed BLAKE3)
+TAG = 16  # a frame's AES-GCM tag
+HEADER = struct.Struct("<cQI16s")  # kind, offset, length, tag
+AAD = struct.Struct("<QcQI")  # what a frame's tag covers besides its bytes: number, header
+ENCRYPTED = 0x01  # a setting bit in the handshake: --peer-encryption
 CONTROL, DATA = b"C", b"B"
 HANDSHAKE_TIMEOUT = 5.0
 STALL_TIMEOUT = 5.0  # a connection with no progress for this long is dropped
@@ -92,8 +95,7 @@ IDLE_TIMEOUT = 600.0  # a pooled connection with no request for this long is clo
 MAX_CONTROL = security.MAX_MESSAGE
 MAX_SERVER_CONNECTIONS = 64
 KEEPALIVE = 1.0  # a server waiting for a chunk tells the client so this often
-PIPE_SIZE = 1 << 20  # the pipe a connection splices received blocks through
-VERIFIERS = 8  # threads that check landed blocks (BLAKE3 and crc32c release the GIL)
+VERIFIERS = 8  # threads that tag, check and write blocks (OpenSSL and crc32c release the GIL)
 
 
 class BulkError(OSError):
@@ -102,6 +104,11 @@ class BulkError(OSError):
 
 class AuthError(BulkError):
     """The other side does not know the token (or replayed an old answer)."""
+
+
+class Mismatch(BulkError):
+    """The other side runs another version of the wire or other settings: no bytes
+    can pass until the hosts agree (a configuration error, said as such)."""
 
 
 class Remote(Exception):
@@ -115,78 +122,29 @@ class Remote(Exception):
 
 class Keys:
     """The handshake key and the data key, derived from the shared token with BLAKE3's
-    key derivation (distinct contexts). Without a token (--insecure) they derive from
+    key derivation (distinct contexts), and this host's setting for the frames' bytes
+    (`encrypt`: --peer-encryption). Without a token (--insecure) the keys derive from
     nothing: integrity against accidents only, as the gRPC calls are then open too."""
 
-    def __init__(self, token: bytes | None) -> None:
+    def __init__(self, token: bytes | None, encrypt: bool = False) -> None:
         secret = token or b""
+        self.encrypt = encrypt
         self.auth = blake3(secret, derive_key_context="mtcfs 2026 bulk channel handshake").digest()
-        self.data = blake3(secret, derive_key_context="mtcfs 2026 bulk channel frames").digest()
+        self.data = blake3(secret, derive_key_context="mtcfs 2026 bulk channel frames v2").digest()
 
-    def answer(self, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-        return blake3(label + server_nonce + client_nonce, key=self.auth).digest()
+    @property
+    def flags(self) -> int:
+        return ENCRYPTED if self.encrypt else 0
 
-    def session(self, server_nonce: bytes, client_nonce: bytes) -> bytes:
-        return blake3(server_nonce + client_nonce, key=self.data).digest()
+    def answer(self, label: bytes, server_flags: int, client_flags: int, server_nonce: bytes,
+               client_nonce: bytes) -> bytes:
+        said = MAGIC + bytes((server_flags, client_flags)) + server_nonce + client_nonce
+        return blake3(label + said, key=self.auth).digest()
 
-
-class BlockHashes:
-    """BLAKE3 digests of blocks this host sent or verified, by (file id, version) and
-    (offset, length): what lets a sender skip reading a block to MAC it. Bounded
-    (least recently used files go first); shared by the server and the pool's
-    threads."""
-
-    def __init__(self, max_blocks: int = 65536) -> None:
-        self.max_blocks = max_blocks  # 64Ki blocks: 256 GiB of data, about 10 MiB here
-        self._files: OrderedDict[tuple[str, int], dict[tuple[int, int], bytes]] = OrderedDict()
-        self._count = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, guid: str, version: int, offset: int, length: int) -> bytes | None:
-        with self._lock:
-            blocks = self._files.get((guid, version))
-            digest = blocks.get((offset, length)) if blocks is not None else None
-            if digest is None:
-                self.misses += 1
-                return None
-            self._files.move_to_end((guid, version))
-            self.hits += 1
-            return digest
-
-    def put(self, guid: str, version: int, offset: int, length: int, digest: bytes) -> None:
-        with self._lock:
-            blocks = self._files.setdefault((guid, version), {})
-            self._files.move_to_end((guid, version))
-            if (offset, length) not in blocks:
-                self._count += 1
-            blocks[(offset, length)] = digest
-            while self._count > self.max_blocks and len(self._files) > 1:
-                _, gone = self._files.popitem(last=False)
-                self._count -= len(gone)
-
-    def status(self) -> dict[str, int]:
-        return {"block_digests_kept": self._count, "block_digest_hits": self.hits,
-                "block_digest_misses": self.misses}
-
-
-def digest_of(data: memoryview | bytes) -> bytes:
-    """What a frame's MAC covers of its bytes (BLAKE3 releases the GIL on large inputs)."""
-    return blake3(data).digest()
-
-
-def _digest_and_crc_at(fd: int, offset: int, length: int) -> tuple[bytes, int]:
-    """The BLAKE3 digest and crc32c of bytes the file holds at [offset, offset+length),
-    read through a mapping (no copy). google-crc32c takes only bytes objects; the
-    crc32c package takes any buffer."""
-    skew = offset % mmap.ALLOCATIONGRANULARITY
-    if os.fstat(fd).st_size < offset + length:  # a mapped page past the end is SIGBUS
-        raise BulkError(f"the file shrank below {offset + length} bytes while it was filled")
-    with (mmap.mmap(fd, length + skew, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                    prot=mmap.PROT_READ, offset=offset - skew) as m,
-          memoryview(m) as whole, whole[skew:] as view):
-        return blake3(view).digest(), crc32c.crc32c(view)
+    def session(self, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes]:
+        """(client-to-server, server-to-client) AES-256 keys of one connection."""
+        both = blake3(server_nonce + client_nonce, key=self.data).digest(length=64)
+        return both[:32], both[32:]
 
 
 def spans(start: int, end: int) -> list[tuple[int, int]]:
@@ -202,32 +160,105 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-class Conn:
-    """One authenticated connection: MAC'd frames both ways, a reused block buffer."""
+def _settings(flags: int) -> str:
+    return "peer encryption on" if flags & ENCRYPTED else "peer encryption off"
 
-    def __init__(self, sock: socket.socket, key: bytes, client: bool) -> None:
-        self.sock = sock
+
+class Sealer:
+    """One direction's frames of one connection: the AES-GCM tag (and, when
+    encrypting, the ciphertext) of each, numbered. Used by one thread at a time per
+    frame; the frame number is taken by the connection's thread, in order."""
+
+    def __init__(self, key: bytes, encrypt: bool) -> None:
         self.key = key
-        self.out_dir, self.in_dir = (b"c", b"s") if client else (b"s", b"c")
-        self.sent = 0  # frames sent / received: each MAC covers its frame's number
+        self.encrypt = encrypt
+        self.aead = AESGCM(key)
+
+    @staticmethod
+    def nonce(seq: int) -> bytes:
+        return struct.pack("<4xQ", seq)  # a key (one direction) never sees a number twice
+
+    def seal(self, seq: int, kind: bytes, offset: int, data: memoryview | bytes,
+             out: memoryview | None = None) -> tuple[bytes, memoryview | bytes]:
+        """(tag, the bytes to send): `data` itself with its GMAC, or its ciphertext
+        (into `out`, len(data) + TAG bytes, when given)."""
+        aad = AAD.pack(seq, kind, offset, len(data))
+        if self.encrypt:
+            n = len(data)
+            if out is None:
+                sealed = memoryview(self.aead.encrypt(self.nonce(seq), data, aad))
+            else:
+                self.aead.encrypt_into(self.nonce(seq), data, aad, out[:n + TAG])
+                sealed = out
+            return bytes(sealed[n:n + TAG]), sealed[:n]
+        enc = Cipher(algorithms.AES(self.key), modes.GCM(self.nonce(seq))).encryptor()
+        enc.authenticate_additional_data(aad)
+        enc.authenticate_additional_data(data)
+        enc.finalize()
+        return enc.tag, data
+
+    def open(self, seq: int, kind: bytes, offset: int, data: memoryview, tag: bytes,
+             out: memoryview | None = None) -> memoryview:
+        """The frame's bytes once its tag matched (decrypted into `out` when
+        encrypting); IntegrityError otherwise. `data` must have TAG spare bytes after
+        it (its buffer's tail) when encrypting: the tag is put there for OpenSSL."""
+        n = len(data)
+        aad = AAD.pack(seq, kind, offset, n)
+        try:
+            if self.encrypt:
+                whole = data.obj if isinstance(data, memoryview) else data
+                body = memoryview(whole)[:n + TAG]
+                body[n:] = tag
+                if out is None:
+                    return memoryview(self.aead.decrypt(self.nonce(seq), body, aad))
+                self.aead.decrypt_into(self.nonce(seq), body, aad, out[:n])
+                return out[:n]
+            dec = Cipher(algorithms.AES(self.key), modes.GCM(self.nonce(seq), tag)).decryptor()
+            dec.authenticate_additional_data(aad)
+            dec.authenticate_additional_data(data)
+            dec.finalize()
+            return data
+        except InvalidTag:
+            raise IntegrityError(f"bad tag on the frame at {offset} ({n} bytes)") from None
+
+
+class _Buffers:
+    """Two block buffers (with room for a tag) and, when encrypting, two for the
+    other side of the cipher: block i uses pair i % 2 while i + 1 is moved."""
+
+    def __init__(self, encrypt: bool) -> None:
+        self.raw = [memoryview(bytearray(BLOCK + TAG)) for _ in range(2)]
+        self.clear = [memoryview(bytearray(BLOCK + TAG)) for _ in range(2)] if encrypt \
+            else self.raw
+
+
+class Conn:
+    """One authenticated connection: tagged frames both ways, reused block buffers."""
+
+    def __init__(self, sock: socket.socket, keys: tuple[bytes, bytes], client: bool,
+                 encrypt: bool = False) -> None:
+        self.sock = sock
+        out_key, in_key = keys if client else keys[::-1]
+        self.out = Sealer(out_key, encrypt)
+        self.inn = Sealer(in_key, encrypt)
+        self.encrypt = encrypt
+        self.sent = 0  # frames sent / received: each tag's nonce is its frame's number
         self.received = 0
-        self.buf = bytearray(BLOCK)
-        self.view = memoryview(self.buf)
         self._hdr = bytearray(HEADER.size)
-        self._pipe: tuple[int, int] | None = None  # for splice(), made at first use
-        self._spare: memoryview | None = None  # a second buffer, to read one block ahead
-        if not isinstance(sock, ssl.SSLSocket):
+        self._plain = not isinstance(sock, ssl.SSLSocket)
+        if self._plain:
             secs = int(STALL_TIMEOUT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                             struct.pack("ll", secs, int((STALL_TIMEOUT - secs) * 1e6)))
 
+    @functools.cached_property
+    def bufs(self) -> _Buffers:
+        """Made at the first block (a connection for control messages needs none)."""
+        return _Buffers(self.encrypt)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-        if self._pipe is not None:
-            for p in self._pipe:
-                os.close(p)
-            self._pipe = None
 
     def stale(self) -> bool:
         """An idle connection with something to read was closed (or broken) by the other
@@ -238,236 +269,166 @@ class Conn:
             return True
         return bool(readable)
 
-    def _mac(self, direction: bytes, seq: int, kind: bytes, offset: int,
-             data: memoryview | bytes) -> bytes:
-        return self._mac_of(direction, seq, kind, offset, len(data), digest_of(data))
-
-    def _mac_of(self, direction: bytes, seq: int, kind: bytes, offset: int, length: int,
-                digest: bytes) -> bytes:
-        header = direction + struct.pack("<QcQI", seq, kind, offset, length)
-        return blake3(header + digest, key=self.key).digest()
-
     # -- sending ---------------------------------------------------------------------
+
+    def _send_frame(self, kind: bytes, offset: int, tag: bytes, body: memoryview | bytes
+                    ) -> None:
+        self.sent += 1
+        head = HEADER.pack(kind, offset, len(body), tag)
+        if self._plain and len(body) > 4096:
+            self.sock.sendall(head, socket.MSG_MORE)  # one segment with the body's start
+            self.sock.sendall(body)
+        else:
+            self.sock.sendall(head + bytes(body))
 
     def send_control(self, msg: dict[str, Any]) -> None:
         body = json.dumps(msg, separators=(",", ":")).encode()
-        mac = self._mac(self.out_dir, self.sent, CONTROL, 0, body)
-        self.sent += 1
-        self.sock.sendall(HEADER.pack(CONTROL, 0, len(body), mac) + body)
+        tag, sealed = self.out.seal(self.sent, CONTROL, 0, body)
+        self._send_frame(CONTROL, 0, tag, sealed)
 
-    def send_block(self, f: Any, fd: int, offset: int, length: int,
-                   digest: bytes | None = None) -> bytes:
-        """One block of the open file `fd` (`f`: a file object over it), handed to the
-        kernel (sendfile); returns its digest. Without a known `digest` the block is
-        read once for it first. Bytes that changed since fail the receiver's check:
-        never counted there."""
-        if digest is None:
-            digest = self._read_digest(fd, offset, length, self.view)
-        mac = self._mac_of(self.out_dir, self.sent, DATA, offset, length, digest)
-        self.sent += 1
-        self.sock.sendall(HEADER.pack(DATA, offset, length, mac))
-        if self.sock.sendfile(f, offset, length) != length:
-            raise BulkError(f"the file is shorter than {offset + length} bytes")
-        return digest
-
-    @staticmethod
-    def _read_digest(fd: int, offset: int, length: int, buf: memoryview) -> bytes:
-        view = buf[:length]
+    def _read_sealed(self, fd: int, seq: int, offset: int, length: int, i: int
+                     ) -> tuple[bytes, memoryview]:
+        """Block `offset` of fd read once into buffer pair i, tagged (or encrypted)
+        as frame `seq`: (tag, the bytes to send)."""
+        view = self.bufs.clear[i][:length]
         if os.preadv(fd, [view], offset) != length:
             raise BulkError(f"the file is shorter than {offset + length} bytes")
-        return digest_of(view)
+        return self.out.seal(seq, DATA, offset, view, self.bufs.raw[i])
 
-    def send_blocks(self, f: Any, fd: int, offset: int, end: int, hashes: BlockHashes,
-                    guid: str, version: int, before: Callable[[], None] | None = None,
+    def send_blocks(self, fd: int, offset: int, end: int,
+                    before: Callable[[], None] | None = None,
                     ahead: Executor | None = None) -> Iterator[int]:
-        """The blocks of bytes [offset, end) of a file (guid, version), with the digests
-        `hashes` knows (and learning the others); yields each block's length once sent.
-        A digest not known is computed in `ahead`'s threads, one block ahead, while the
-        kernel sends the block before (a read and BLAKE3 release the GIL)."""
+        """The blocks of bytes [offset, end) of the open file fd; yields each block's
+        length once sent. Each is read and tagged in `ahead`'s threads one block ahead,
+        while this thread sends the block before. Bytes that changed since the file's
+        seal fail the receiver's crc32c check: never counted there."""
         blocks = spans(offset, end)
-        known: dict[int, bytes | None] = {}
-        jobs: dict[int, Future[bytes]] = {}
-
-        def digest_of_span(i: int) -> bytes | None:
-            if i not in known:
-                off, n = blocks[i]
-                known[i] = hashes.get(guid, version, off, n)
-            return known[i]
+        jobs: dict[int, Future[tuple[bytes, memoryview]]] = {}
+        first = self.sent
 
         def read_ahead(i: int) -> None:
-            if ahead is None or i >= len(blocks) or i in jobs or digest_of_span(i):
-                return
-            if self._spare is None:
-                self._spare = memoryview(bytearray(BLOCK))
-            buf = self.view if i % 2 else self._spare  # the job before used the other one
-            jobs[i] = ahead.submit(self._read_digest, fd, *blocks[i], buf)
+            if ahead is not None and i < len(blocks) and i not in jobs:
+                jobs[i] = ahead.submit(self._read_sealed, fd, first + i, *blocks[i], i % 2)
 
-        for i, (off, n) in enumerate(blocks):
-            if before is not None:
-                before()
-            read_ahead(i)
-            job = jobs.pop(i, None)
-            digest = digest_of_span(i) or (job.result() if job is not None else None)
-            read_ahead(i + 1)
-            sent = self.send_block(f, fd, off, n, digest)
-            if known.pop(i) is None:
-                hashes.put(guid, version, off, n, sent)
-            yield n
-        for job in jobs.values():  # none left unless the caller stopped early
-            job.cancel()
+        try:
+            for i, (off, n) in enumerate(blocks):
+                if before is not None:
+                    before()
+                read_ahead(i)
+                job = jobs.pop(i, None)
+                tag, body = job.result() if job is not None else \
+                    self._read_sealed(fd, first + i, off, n, i % 2)
+                read_ahead(i + 1)  # into the other buffers: this one is being sent
+                if self.sent != first + i:
+                    raise BulkError("frames sent out of order")
+                self._send_frame(DATA, off, tag, body)
+                yield n
+        finally:
+            for job in jobs.values():  # none left unless the caller stopped early
+                if not job.cancel():
+                    with contextlib.suppress(Exception):
+                        job.result()  # its buffer must be free before the next use
 
     # -- receiving -------------------------------------------------------------------
 
     def recv_header(self) -> tuple[bytes, int, int, bytes]:
         recv_exact(self.sock, memoryview(self._hdr))
-        kind, offset, length, mac = HEADER.unpack(self._hdr)
+        kind, offset, length, tag = HEADER.unpack(self._hdr)
         if kind not in (CONTROL, DATA):
             raise BulkError(f"unknown frame kind {kind!r}")
         if length > (MAX_CONTROL if kind == CONTROL else BLOCK):
             raise BadRequest(f"frame of {length} bytes: too large")
-        return kind, offset, length, mac
+        return kind, offset, length, tag
 
-    def recv_body(self, kind: bytes, offset: int, length: int, mac: bytes) -> memoryview:
-        """The frame's bytes, once their MAC matched (BulkError otherwise)."""
-        view = memoryview(bytearray(length)) if kind == CONTROL else self.view[:length]
-        recv_exact(self.sock, view)
-        self._check_mac(kind, offset, view, mac)
-        return view
-
-    def _check_mac(self, kind: bytes, offset: int, data: memoryview | bytes, mac: bytes
-                   ) -> bytes:
-        """The next received frame's MAC (IntegrityError when it does not match);
-        returns the digest of its bytes."""
-        digest = digest_of(data)
-        want = self._mac_of(self.in_dir, self.received, kind, offset, len(data), digest)
-        self.received += 1
-        if not hmac.compare_digest(want, mac):
-            raise IntegrityError(f"bad MAC on the frame at {offset} ({len(data)} bytes)")
-        return digest
-
-    def recv_data(self, offset: int, length: int, mac: bytes) -> tuple[bytes, bytes]:
-        """A data block's bytes, once their MAC matched, as bytes (what crc32c takes),
-        and their digest: received straight into a new bytes object where the socket
-        allows it, so the block is not copied once more."""
-        data = b""
-        if not isinstance(self.sock, ssl.SSLSocket):
-            # MSG_WAITALL waits for the whole block only on a blocking socket (Python's
-            # timeouts make it non-blocking): blocking for this call, bounded by the
-            # kernel's receive timeout (SO_RCVTIMEO, set to the stall timeout).
-            timeout = self.sock.gettimeout()
-            self.sock.settimeout(None)
-            try:
-                data = self.sock.recv(length, socket.MSG_WAITALL)
-                if not data:
-                    raise BulkError("connection closed by the other side")
-            except BlockingIOError:
-                pass  # the receive timeout ran out: the loop below times out too
-            finally:
-                self.sock.settimeout(timeout)
-        if len(data) < length:  # (TLS, a timeout or a signal cut it short)
-            view = self.view[:length]
-            view[:len(data)] = data
-            recv_exact(self.sock, view[len(data):])
-            data = bytes(view)
-        return data, self._check_mac(DATA, offset, data, mac)
-
-    def land_blocks(self, fd: int, blocks: Iterable[tuple[int, int]], verifier: Executor
-                    ) -> Iterator[tuple[int, int, bytes, int]]:
-        """Receive the data frames of `blocks` ((offset, length), in this order) into the
-        file `fd` at their offsets; yield (offset, length, digest, crc32c) for each once
-        its MAC matched (IntegrityError otherwise; BulkError for a frame out of place,
-        TimeoutError for a stall). The caller checks the crc32c before the block counts.
-
-        The bytes land before they are checked: `fd` must be a file nobody reads before
-        its blocks count, and that nobody shrinks meanwhile (checked through a mapping).
-        Over TLS the bytes pass through Python (ssl cannot splice) and are checked first."""
-        if isinstance(self.sock, ssl.SSLSocket):
-            for off, n in blocks:
-                data, digest = self.recv_data(off, n, self._data_header(off, n))
-                os.pwrite(fd, data, off)
-                yield off, n, digest, google_crc32c.value(data)
+    def _recv_into(self, view: memoryview) -> None:
+        """Exactly len(view) bytes; TimeoutError after STALL_TIMEOUT without any."""
+        if not self._plain:
+            recv_exact(self.sock, view)
             return
-        pending: tuple[Future[tuple[bytes, int]], int, int, int, bytes] | None = None
+        # MSG_WAITALL waits for the whole block only on a blocking socket (Python's
+        # timeouts make it non-blocking): blocking for this call, bounded by the
+        # kernel's receive timeout (SO_RCVTIMEO, set to the stall timeout).
         timeout = self.sock.gettimeout()
-        # Blocking, for splice(); each call bounded by the receive timeout (SO_RCVTIMEO).
         self.sock.settimeout(None)
         try:
-            for off, n in blocks:
-                mac = self._data_header(off, n)
-                seq = self.received
-                self.received += 1
-                self._splice_into(fd, off, n)
-                # Checked in another thread while the next block arrives.
-                job = verifier.submit(_digest_and_crc_at, fd, off, n)
-                if pending is not None:
-                    yield self._landed(*pending)
-                pending = (job, seq, off, n, mac)
-            if pending is not None:
-                yield self._landed(*pending)
+            while view:
+                n = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+                if n == 0:
+                    raise BulkError("connection closed by the other side")
+                view = view[n:]
         except BlockingIOError:
             raise TimeoutError(f"no data for {STALL_TIMEOUT:g} s") from None
         finally:
             self.sock.settimeout(timeout)
 
-    def _data_header(self, off: int, n: int) -> bytes:
-        """The header of the data frame due next (the block at off of n bytes): its MAC."""
+    def land_blocks(self, fd: int, blocks: Iterable[tuple[int, int]], verifier: Executor
+                    ) -> Iterator[tuple[int, int, int]]:
+        """Receive the data frames of `blocks` ((offset, length), in this order) and
+        write each into the file fd at its offset once its tag matched; yield (offset,
+        length, crc32c) for each after it was written (IntegrityError on a bad tag:
+        nothing of that block is written; BulkError for a frame out of place,
+        TimeoutError for a stall). The caller checks the crc32c before the block
+        counts. The tag, crc32c and write run in `verifier`'s threads while this thread
+        receives the next block."""
+        pending: tuple[Future[int], int, int] | None = None
+        job: Future[int] | None = None
         try:
-            kind, got, length, mac = self.recv_header()
+            for i, (off, n) in enumerate(blocks):
+                try:
+                    tag = self._data_header(off, n)
+                    seq = self.received
+                    self.received += 1
+                    # Into buffer pair i % 2: the job of block i - 2 that used it was
+                    # waited for (yielded) before block i - 1 was received.
+                    self._recv_into(self.bufs.raw[i % 2][:n])
+                except (OSError, BadRequest):
+                    if pending is not None:  # a forged block before the cut says why first
+                        pending[0].result()
+                    raise
+                job = verifier.submit(self._check_and_write, fd, seq, off, n, tag, i % 2)
+                if pending is not None:
+                    yield self._landed(*pending)
+                pending = (job, off, n)
+            if pending is not None:
+                yield self._landed(*pending)
+        finally:
+            for left in (pending[0] if pending else None, job):
+                if left is not None:  # its buffers must be free before the next use
+                    with contextlib.suppress(Exception):
+                        left.result()
+
+    def _check_and_write(self, fd: int, seq: int, off: int, n: int, tag: bytes, i: int
+                         ) -> int:
+        data = self.inn.open(seq, DATA, off, self.bufs.raw[i][:n], tag, self.bufs.clear[i])
+        crc = crc32c.crc32c(data)
+        view = data
+        while view:
+            view = view[os.pwrite(fd, view, off + len(data) - len(view)):]
+        return crc
+
+    @staticmethod
+    def _landed(job: Future[int], off: int, n: int) -> tuple[int, int, int]:
+        return off, n, job.result()
+
+    def _data_header(self, off: int, n: int) -> bytes:
+        """The header of the data frame due next (the block at off of n bytes): its tag."""
+        try:
+            kind, got, length, tag = self.recv_header()
         except BlockingIOError:
             raise TimeoutError(f"no data for {STALL_TIMEOUT:g} s") from None
         if kind != DATA or got != off or length != n:
             raise BulkError(f"{'block' if kind == DATA else 'control message'} at {got} of "
                             f"{length} bytes; expected the block at {off} of {n}")
-        return mac
-
-    def _splice_into(self, fd: int, off: int, n: int) -> None:
-        """n bytes from the socket into fd at off: socket -> pipe -> file, in the kernel."""
-        if self._pipe is None:
-            r, w = os.pipe2(os.O_CLOEXEC)
-            with contextlib.suppress(OSError):  # a smaller pipe only means more calls
-                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-            self._pipe = (r, w)
-        r, w = self._pipe
-        sock = self.sock.fileno()
-        while n:
-            # The pipe fills up to the file's next PIPE_SIZE boundary before it is written:
-            # tmpfs zeroes all of a new huge page but the bytes of its first write, so
-            # writing each socket read as it came (often 64-256 KiB) zeroed about every
-            # byte once more (perf: memset as costly as the copy itself).
-            want = min(n, PIPE_SIZE - off % PIPE_SIZE)
-            got = 0
-            while got < want:
-                try:
-                    # Non-blocking on the pipe once it holds bytes: EAGAIN when its slots
-                    # are full before `want` (a socket's small buffers) -- write those.
-                    more = os.splice(sock, w, want - got, flags=os.SPLICE_F_MOVE | (
-                        os.SPLICE_F_NONBLOCK if got else 0))
-                except BlockingIOError:
-                    if not got:
-                        raise  # the receive timeout ran out
-                    break
-                if more == 0:
-                    raise BulkError("connection closed by the other side")
-                got += more
-            n -= got
-            while got:
-                put = os.splice(r, fd, got, offset_dst=off, flags=os.SPLICE_F_MOVE)
-                got -= put
-                off += put
-
-    def _landed(self, job: Future[tuple[bytes, int]], seq: int, off: int, n: int, mac: bytes
-                ) -> tuple[int, int, bytes, int]:
-        digest, crc = job.result()
-        want = self._mac_of(self.in_dir, seq, DATA, off, n, digest)
-        if not hmac.compare_digest(want, mac):
-            raise IntegrityError(f"bad MAC on the frame at {off} ({n} bytes)")
-        return off, n, digest, crc
+        return tag
 
     def recv_control(self) -> dict[str, Any]:
-        kind, offset, length, mac = self.recv_header()
+        kind, offset, length, tag = self.recv_header()
         if kind != CONTROL:
             raise BulkError("a data block where a control message was due")
-        body = self.recv_body(kind, offset, length, mac)
+        raw = memoryview(bytearray(length + TAG))
+        recv_exact(self.sock, raw[:length])
+        body = self.inn.open(self.received, CONTROL, offset, raw[:length], tag)
+        self.received += 1
         try:
             msg = json.loads(bytes(body))
         except ValueError:
@@ -486,35 +447,58 @@ class Conn:
 # -- handshakes ----------------------------------------------------------------------
 
 
+def _check_version(magic: bytes, where: str) -> None:
+    if magic == MAGIC:
+        return
+    if magic[:len(WIRE)] == WIRE:
+        theirs = magic[len(WIRE):].decode("ascii", "replace")
+        raise Mismatch(f"{where} speaks data channel version {theirs}, this host version "
+                       f"{VERSION}: run the same mtcfs on every host of the job")
+    raise BulkError(f"{where} is not an mtcfs data channel")
+
+
 def server_handshake(sock: socket.socket, keys: Keys) -> Conn:
     sock.settimeout(HANDSHAKE_TIMEOUT)
     server_nonce = os.urandom(NONCE)
-    sock.sendall(MAGIC + server_nonce)
-    got = bytearray(NONCE + MAC)
+    sock.sendall(MAGIC + bytes((keys.flags,)) + server_nonce)
+    got = bytearray(1 + NONCE + MAC)
     recv_exact(sock, memoryview(got))
-    client_nonce, answer = bytes(got[:NONCE]), bytes(got[NONCE:])
-    if not hmac.compare_digest(answer, keys.answer(b"client", server_nonce, client_nonce)):
-        raise AuthError("the client does not know the peer token")
-    sock.sendall(keys.answer(b"server", server_nonce, client_nonce))
+    flags, client_nonce, answer = got[0], bytes(got[1:1 + NONCE]), bytes(got[1 + NONCE:])
+    if not hmac.compare_digest(answer, keys.answer(b"client", keys.flags, flags,
+                                                   server_nonce, client_nonce)):
+        raise AuthError("the client does not know the peer token (or runs another "
+                        "version of mtcfs)")
+    if flags != keys.flags:  # (the client saw it first, and said so on its side)
+        raise Mismatch(f"the client has {_settings(flags)}, this host {_settings(keys.flags)}"
+                       f": set --peer-encryption alike on every host")
+    sock.sendall(keys.answer(b"server", keys.flags, flags, server_nonce, client_nonce))
     sock.settimeout(STALL_TIMEOUT)
-    return Conn(sock, keys.session(server_nonce, client_nonce), client=False)
+    return Conn(sock, keys.session(server_nonce, client_nonce), client=False,
+                encrypt=keys.encrypt)
 
 
 def client_handshake(sock: socket.socket, keys: Keys) -> Conn:
     sock.settimeout(HANDSHAKE_TIMEOUT)
-    hello = bytearray(len(MAGIC) + NONCE)
-    recv_exact(sock, memoryview(hello))
-    if bytes(hello[:len(MAGIC)]) != MAGIC:
-        raise BulkError("not an mtcfs data channel")
-    server_nonce, client_nonce = bytes(hello[len(MAGIC):]), os.urandom(NONCE)
-    sock.sendall(client_nonce + keys.answer(b"client", server_nonce, client_nonce))
+    hello = bytearray(len(MAGIC) + 1 + NONCE)
+    view = memoryview(hello)
+    recv_exact(sock, view[:len(MAGIC)])  # an older server sends fewer bytes after it
+    _check_version(bytes(hello[:len(MAGIC)]), "the peer")
+    recv_exact(sock, view[len(MAGIC):])
+    flags, server_nonce = hello[len(MAGIC)], bytes(hello[len(MAGIC) + 1:])
+    if flags != keys.flags:
+        raise Mismatch(f"the peer has {_settings(flags)}, this host {_settings(keys.flags)}: "
+                       f"set --peer-encryption alike on every host")
+    client_nonce = os.urandom(NONCE)
+    sock.sendall(bytes((keys.flags,)) + client_nonce
+                 + keys.answer(b"client", flags, keys.flags, server_nonce, client_nonce))
     answer = bytearray(MAC)
     recv_exact(sock, memoryview(answer))
-    if not hmac.compare_digest(bytes(answer), keys.answer(b"server", server_nonce,
-                                                          client_nonce)):
+    if not hmac.compare_digest(bytes(answer), keys.answer(b"server", flags, keys.flags,
+                                                          server_nonce, client_nonce)):
         raise AuthError("the server does not know the peer token")
     sock.settimeout(STALL_TIMEOUT)
-    return Conn(sock, keys.session(server_nonce, client_nonce), client=True)
+    return Conn(sock, keys.session(server_nonce, client_nonce), client=True,
+                encrypt=keys.encrypt)
 
 
 # -- TLS -----------------------------------------------------------------------------
@@ -548,6 +532,24 @@ def tls_contexts(tls: tuple[bytes, bytes, bytes | None] | None
     return server, client
 
 
+class _Tls:
+    """A connection's TLS layer over its socket, or none (plain TCP: `context` None)."""
+
+    def __init__(self, context: ssl.SSLContext | None) -> None:
+        self.wrappers: list[ssl.SSLContext] = [context] if context else []
+
+    def server_side(self, sock: socket.socket) -> socket.socket:
+        for context in self.wrappers:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            sock = context.wrap_socket(sock, server_side=True)
+        return sock
+
+    def client_side(self, sock: socket.socket, host: str) -> socket.socket:
+        for context in self.wrappers:
+            sock = context.wrap_socket(sock, server_hostname=host)
+        return sock
+
+
 # -- the server ----------------------------------------------------------------------
 
 
@@ -573,6 +575,8 @@ def _code_of(e: BaseException) -> str:
         return "RESOURCE_EXHAUSTED"
     if isinstance(e, IntegrityError):
         return "DATA_LOSS"
+    if isinstance(e, FileNotFoundError):
+        return "NOT_FOUND"
     return "UNAVAILABLE"
 
 
@@ -584,14 +588,13 @@ class BulkServer:
     def __init__(self, handler: PeerHandler, in_owner: Callable[..., Any], keys: Keys,
                  listen: tuple[str, int], tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_SERVER_CONNECTIONS,
-                 hashes: BlockHashes | None = None, verifier: Executor | None = None) -> None:
+                 verifier: Executor | None = None) -> None:
         self.handler = handler
         self._own_verifier = verifier is None  # else whoever passed it shuts it down
         self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.in_owner = in_owner
         self.keys = keys
-        self.hashes = hashes if hashes is not None else BlockHashes()
-        self.tls = tls
+        self.tls = _Tls(tls)
         self.slots = threading.BoundedSemaphore(max_connections)
         family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -619,7 +622,8 @@ class BulkServer:
         return {"port": self.port, "handshakes_refused": self.rejected,
                 "requests_refused": self.refused, "replicas_received": self.pushes_received,
                 "bytes_received": self.bytes_received, "bytes_served": self.bytes_served,
-                "restore_bytes_served": self.chunk_bytes_served, **self.hashes.status()}
+                "restore_bytes_served": self.chunk_bytes_served,
+                "wire_version": VERSION, "encrypted": self.keys.encrypt}
 
     def start(self) -> int:
         self._thread.start()
@@ -659,9 +663,7 @@ class BulkServer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                if self.tls is not None:
-                    sock.settimeout(HANDSHAKE_TIMEOUT)
-                    sock = self.tls.wrap_socket(sock, server_side=True)
+                sock = self.tls.server_side(sock)
                 conn = server_handshake(sock, self.keys)
             except (OSError, ssl.SSLError) as e:
                 self.rejected += 1
@@ -703,12 +705,14 @@ class BulkServer:
             else:
                 raise BadRequest(f"unknown request {str(op)[:40]!r}")
             return True
-        except (BulkError, ssl.SSLError, TimeoutError):
+        except (BulkError, ssl.SSLError, TimeoutError, ConnectionError):
+            # (a sender killed mid-push resets the connection: dropped, no traceback)
             self.refused += op == "push"  # a replica cut short (or a bad MAC): not stored
             raise
         except Exception as e:
             self.refused += 1
-            if not isinstance(e, (BadRequest, Refused, RamTierFull, IntegrityError)):
+            if not isinstance(e, (BadRequest, Refused, RamTierFull, IntegrityError,
+                                  FileNotFoundError)):  # (evicted a moment ago)
                 log.exception("data channel: %s failed", op)
             with contextlib.suppress(OSError):
                 conn.send_control({"error": _code_of(e), "details": str(e)[:500]})
@@ -719,7 +723,7 @@ class BulkServer:
     def _push(self, conn: Conn, msg: dict[str, Any]) -> None:
         try:
             e = pb.Entry.FromString(base64.b64decode(str(msg.get("entry", "")), validate=True))
-        except ValueError:
+        except (ValueError, DecodeError):  # (protobuf's DecodeError is no ValueError)
             raise BadRequest("a push needs its entry") from None
         path = str(msg.get("path", ""))
         security.check_entry(e)
@@ -727,18 +731,15 @@ class BulkServer:
         if e.removed or not e.has_crc or not e.block_crcs:
             raise BadRequest("a pushed file needs its crc32c and block crc32cs")
         verify = BlockVerifier(e.size, e.crc32c, bytes(e.block_crcs))
-        digests: list[tuple[int, int, bytes]] = []
         key, tmp = self.in_owner(self.handler.begin_receive, e)
         ok = False
         try:
             conn.send_control({"ok": True})
-            fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)  # read too: checked in a mapping
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
             yielded = 0.0
             try:
-                for offset, length, digest, crc in conn.land_blocks(fd, spans(0, e.size),
-                                                                    self.verifier):
+                for _, length, crc in conn.land_blocks(fd, spans(0, e.size), self.verifier):
                     verify.feed_crc(length, crc)  # raises IntegrityError on a bad crc32c
-                    digests.append((offset, length, digest))
                     self.bytes_received += length
                     # This host's trainer is writing: let it have the CPU (bounded).
                     yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
@@ -749,9 +750,6 @@ class BulkServer:
                 os.close(fd)
             conn.sock.settimeout(REPLY_TIMEOUT)
             ok = self.in_owner(self.handler.finish_receive, e, key, tmp)
-            if ok:  # serving this replica later needs no pass over it for its MACs
-                for offset, length, digest in digests:
-                    self.hashes.put(e.id, e.version, offset, length, digest)
         except Exception as exc:
             log.warning("replica of %s from %s rejected: %s", path, e.writer, exc)
             raise
@@ -779,10 +777,8 @@ class BulkServer:
                 raise BadRequest(f"offset {offset} is beyond the file's {size} bytes")
             end = size if length == 0 else min(size, offset + length)
             conn.send_control({"ok": True, "size": size})
-            with open(fd, "rb", buffering=0, closefd=False) as f:
-                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version,
-                                          ahead=self.verifier):
-                    self.bytes_served += n
+            for n in conn.send_blocks(fd, offset, end, ahead=self.verifier):
+                self.bytes_served += n
         finally:
             os.close(fd)
 
@@ -815,11 +811,9 @@ class BulkServer:
             if end > size:
                 raise BadRequest(f"bytes {offset}-{end} are beyond the file's {size}")
             conn.send_control({"ok": True, "have": True, "size": size})
-            with open(fd, "rb", buffering=0, closefd=False) as f:
-                for n in conn.send_blocks(f, fd, offset, end, self.hashes, guid, version,
-                                          ahead=self.verifier):
-                    self.bytes_served += n
-                    self.chunk_bytes_served += n
+            for n in conn.send_blocks(fd, offset, end, ahead=self.verifier):
+                self.bytes_served += n
+                self.chunk_bytes_served += n
         finally:
             os.close(fd)
 
@@ -832,12 +826,11 @@ class BulkPool:
     and reused; used from worker threads (every call blocks)."""
 
     def __init__(self, keys: Keys, tls: ssl.SSLContext | None, connections: int,
-                 hashes: BlockHashes | None = None, verifier: Executor | None = None) -> None:
+                 verifier: Executor | None = None) -> None:
         self.keys = keys
         self._own_verifier = verifier is None  # else whoever passed it shuts it down
         self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
-        self.tls = tls
-        self.hashes = hashes if hashes is not None else BlockHashes()
+        self.tls = _Tls(tls)
         self.connections = connections
         self._idle: dict[tuple[str, int], list[Conn]] = {}
         self._slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
@@ -887,8 +880,7 @@ class BulkPool:
         sock = socket.create_connection(addr, timeout=HANDSHAKE_TIMEOUT)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_hostname=addr[0])
+            sock = self.tls.client_side(sock, addr[0])
             return client_handshake(sock, self.keys)
         except BaseException:
             sock.close()
@@ -907,10 +899,8 @@ class BulkPool:
                                 "entry": base64.b64encode(entry.SerializeToString()).decode()})
                 c.recv_reply()
                 try:
-                    with open(fd, "rb", buffering=0, closefd=False) as f:
-                        for _ in c.send_blocks(f, fd, 0, size, self.hashes, entry.id,
-                                               entry.version, yield_to_writes, self.verifier):
-                            pass
+                    for _ in c.send_blocks(fd, 0, size, yield_to_writes, self.verifier):
+                        pass
                     c.send_control({"op": "end"})
                 except OSError:
                     # Refused mid-stream (a block that did not verify)? Its answer says why.
@@ -943,13 +933,12 @@ class BulkPool:
             if reply.get("size") != size:
                 raise Remote("FAILED_PRECONDITION", f"{reply.get('size')} bytes there, "
                                                     f"{size} here")
-            for i, (off, length, digest, crc) in enumerate(
+            for i, (off, length, crc) in enumerate(
                     c.land_blocks(fd, spans(offset, end), self.verifier)):
                 if crc != want[i]:
                     e = IntegrityError(f"block at {off}: crc32c mismatch")
                     e.bad_range = (off, off + length)
                     raise e
-                self.hashes.put(guid, version, off, length, digest)
                 on_block(off, length)
 
     def fetch_chunk(self, addr: tuple[str, int], fd: int, guid: str, version: int, path: str,
@@ -973,15 +962,11 @@ class BulkPool:
             if not reply.get("have"):
                 return False
             whole = 0
-            digests = []
-            for at, n, digest, block_crc in c.land_blocks(fd, spans(offset, offset + length),
-                                                           self.verifier):
+            for _, n, block_crc in c.land_blocks(fd, spans(offset, offset + length),
+                                                 self.verifier):
                 whole = crc32c_combine(whole, block_crc, n)
-                digests.append((at, n, digest))
             if whole != crc:
                 e = IntegrityError(f"chunk at {offset}: crc32c mismatch")
                 e.bad_range = (offset, offset + length)
                 raise e
-            for at, n, digest in digests:
-                self.hashes.put(guid, version, at, n, digest)
             return True

@@ -2,7 +2,7 @@
 
 A host that saw another dead assumes it missed that host's changes meanwhile
 (nothing is queued for a dead host), and merges what changed there once it is
-back (a delta snapshot: PeerTier.pull). Done by every host on its own, a
+back (a delta snapshot: mtcfs.peer.join.SnapshotPuller). Done by every host on its own, a
 flap of one host among N costs that host N-1 pulls to serve, and a healed
 partition costs every host one pull per host of the other side. Here:
 
@@ -25,7 +25,9 @@ partition costs every host one pull per host of the other side. Here:
   otherwise pull themselves.
 
 Until a host back is caught up with, it is not accounted for (commit markers
-wait: PeerTier.hosts_accounted). Runs in the daemon's trio thread.
+wait: PeerTier.hosts_accounted). Runs in the daemon's trio thread. Markers other
+hosts published reach it through `Markers`, which the tree's inbox fills: built
+before both, as CatchUps publishes its own through the tree.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ import bisect
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from mtcfs.peer import swim
-from mtcfs.peer.membership import Membership, Peer
+from mtcfs.peer.membership import GONE_AFTER, Membership, Peer
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,11 @@ STAND_INS = 3
 STAND_IN_WAIT = 5.0
 MAX_TRIES = 3  # failed pulls from a host back before it is given up on (logged)
 MARKER_TTL = 30.0  # a marker that came before we saw its hosts back still counts this long
+# A host back that restarted while we saw it dead cannot tell us what its earlier life
+# wrote (its RAM may have gone with it). The hosts that saw that life withdraw a step
+# that lost a file once its holder has been gone GONE_AFTER; commit markers here wait
+# that long and a margin, so that a marker never goes up beside files nobody has.
+RESTART_HOLD = GONE_AFTER + 10.0
 
 
 @dataclass
@@ -71,6 +79,48 @@ class Pulled:
 
     ok: bool
     uncovered: frozenset[str] | None = None
+
+
+class Puller(Protocol):
+    async def pull(self, p: Peer, since: float, republish: bool) -> Pulled:
+        """Merge what changed at `p` in the last `since` seconds (0: all of it),
+        republishing it down the tree if asked."""
+        ...
+
+
+class Republisher(Protocol):
+    async def settled(self, what: str) -> bool:
+        """True once every live host applied what this host published (the commit
+        rule)."""
+        ...
+
+    def announce_caught_up(self, hosts: list[str], since_unix: float) -> None:
+        """Publish a CaughtUp marker."""
+        ...
+
+
+class Accounting(Protocol):
+    def peers_changed(self) -> None:
+        """Hosts back were caught up with: commit markers held for them may go."""
+        ...
+
+
+class Markers:
+    """CaughtUp markers delivered by the tree, until CatchUps reads them."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[str, list[str], float]] = []
+        self._ready = trio.Event()
+
+    def put(self, src: str, hosts: Collection[str], since_unix: float) -> None:
+        self._waiting.append((src, list(hosts), since_unix))
+        self._ready.set()
+
+    async def take(self) -> list[tuple[str, list[str], float]]:
+        await self._ready.wait()
+        self._ready = trio.Event()
+        out, self._waiting = self._waiting, []
+        return out
 
 
 @dataclass
@@ -85,28 +135,25 @@ class Stats:
     markers_received: int = 0
     handoff_timeouts: int = 0  # waited HANDOFF_WAIT for a marker, then pulled
     stand_ins: int = 0  # stood in for the designated host (no marker in time)
+    restarted_away: int = 0  # hosts back that had restarted meanwhile (markers held)
 
 
 class CatchUps:
-    def __init__(self, me: str, members: Membership,
-                 pull: Callable[[Peer, float, bool], Awaitable[Pulled]],
-                 settle: Callable[[str], Awaitable[bool]],
-                 announce: Callable[[list[str], float], None],
-                 accounted: Callable[[], None],
-                 wall: Callable[[], float] = time.time) -> None:
-        """`pull(peer, since, republish)`: merge what changed at `peer` in the last
-        `since` seconds (0: all of it), republishing it down the tree if asked;
-        `settle(what)`: True once every live host applied what this host published
-        (the commit rule); `announce(hosts, since_unix)`: publish a CaughtUp marker;
-        `accounted()`: called when hosts back were caught up with (commit markers
-        held for them may go)."""
+    def __init__(self, me: str, members: Membership, puller: Puller,
+                 republisher: Republisher, accounting: Accounting, markers: Markers,
+                 wall: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`puller`: snapshots from hosts back; `republisher`: the tree this host
+        republishes what it pulled down (and its marker); `accounting`: told when
+        hosts back were caught up with; `markers`: other hosts' markers."""
         self.me = me
         self.members = members
-        self._pull = pull
-        self._settle = settle
-        self._announce = announce
-        self._accounted = accounted
+        self.puller = puller
+        self.republisher = republisher
+        self.accounting = accounting
+        self.markers = markers
         self._wall = wall
+        self._clock = clock
         self.stats = Stats()
         # Hosts found dead, to catch up with once back: address -> (time.monotonic()
         # of its last message to us (0: none), its SWIM incarnation then).
@@ -116,16 +163,25 @@ class CatchUps:
         self.pending: dict[str, float] = {}
         self._tries: dict[str, int] = {}  # failed pulls from a host back, in a row
         self._first: set[str] = set()  # first heard of once we were live: pulled whole
+        # Hosts back that had restarted while away: address -> self._clock() when seen
+        # back (commit markers wait RESTART_HOLD from then).
+        self.restarted: dict[str, float] = {}
         # Hosts whose changes from since_unix on were merged here lately (a marker, or
         # a pull that covered them while we still saw them dead): host -> (since_unix,
         # time.monotonic() then). Counts for MARKER_TTL when they are back.
         self._covered: dict[str, tuple[float, float]] = {}
         self._changed = trio.Event()
         self._running = False
-        self._nursery: trio.Nursery | None = None
+        self._nursery: list[trio.Nursery] = []  # where its tasks run, once started
 
     def start(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+        self._nursery.append(nursery)
+        nursery.start_soon(self._read_markers)
+
+    async def _read_markers(self) -> None:
+        while True:
+            for src, hosts, since_unix in await self.markers.take():
+                self.marker(src, hosts, since_unix)
 
     # -- what membership and the tree tell us ---------------------------------------------
 
@@ -141,20 +197,24 @@ class CatchUps:
         """`p` is alive and caught up (trio thread): back after we saw it dead, or
         first seen since we started (it was away then: everything it has)."""
         owed = self.owed.pop(p.addr, None)
-        if self._nursery is None:
+        if not self._nursery:  # (not started: what it misses is in the start's pull)
             return
         if owed is None:
             # Heard of only once this host was live (it went live without it): its
             # whole snapshot, from it, at once (no side to share it with: the others
             # knew it before).
             self._first.add(p.addr)
-            self._nursery.start_soon(self._first_contact, p)
+            self._nursery[0].start_soon(self._first_contact, p)
             return
         last_heard, then = owed
         self.stats.seen_back += 1
         if incarnation - then >= swim.RESTART_JUMP:
-            log.info("peer %s (%s) restarted while it was away: nothing to pull",
-                     p.addr, p.node_id)
+            self.restarted[p.addr] = self._clock()
+            self.stats.restarted_away += 1
+            log.info("peer %s (%s) restarted while it was away: nothing to pull from it; "
+                     "what its earlier life wrote reaches here from the hosts that saw it, "
+                     "and commit markers wait %.0f s for their withdrawals", p.addr,
+                     p.node_id, RESTART_HOLD)
             return
         need = 0.0
         if last_heard:
@@ -171,7 +231,7 @@ class CatchUps:
         self._poke()
         if not self._running:
             self._running = True
-            self._nursery.start_soon(self._rounds)
+            self._nursery[0].start_soon(self._rounds)
 
     def marker(self, src: str, hosts: Collection[str], since_unix: float) -> None:
         """`src` pulled `hosts`' changes from `since_unix` on and every live host
@@ -185,7 +245,7 @@ class CatchUps:
                 self.stats.covered_by_markers += 1
         log.info("%s caught up with %d hosts back for its side", src, len(hosts))
         self._poke()
-        self._accounted()
+        self.accounting.peers_changed()
 
     def _merged(self, hosts: Collection[str], since_unix: float) -> None:
         now = time.monotonic()
@@ -201,11 +261,20 @@ class CatchUps:
                                             or a in self.pending or a in self._first))
 
     def accounted(self) -> bool:
-        return not self.pending and not self._first
+        now = self._clock()
+        for h in [h for h, t in self.restarted.items() if now - t >= RESTART_HOLD]:
+            del self.restarted[h]
+        # A host seen dead is alive again by gossip before its first message says it is
+        # back (and its catch-up starts): what it wrote meanwhile is not here yet.
+        back_unseen = any(p is not None and p.alive for p in map(self.members.peers.get,
+                                                                 self.owed))
+        return (not self.pending and not self._first and not self.restarted
+                and not back_unseen)
 
     def status(self) -> dict[str, object]:
         return {**vars(self.stats), "owed": len(self.owed),
-                "pending": len(self.pending) + len(self._first)}
+                "pending": len(self.pending) + len(self._first),
+                "restarted_hold": len(self.restarted)}
 
     # -- the rounds ------------------------------------------------------------------------
 
@@ -220,7 +289,7 @@ class CatchUps:
         return False
 
     async def _counted_pull(self, p: Peer, since: float, republish: bool) -> Pulled:
-        pulled = await self._pull(p, since, republish)
+        pulled = await self.puller.pull(p, since, republish)
         self.stats.pulls += 1
         self.stats.pulls_failed += not pulled.ok
         return pulled
@@ -230,7 +299,7 @@ class CatchUps:
             await self._counted_pull(p, 0.0, False)
         finally:
             self._first.discard(p.addr)
-            self._accounted()
+            self.accounting.peers_changed()
 
     async def _rounds(self) -> None:
         try:
@@ -347,9 +416,10 @@ class CatchUps:
         for h in covered:
             self._tries.pop(h, None)
         self._poke()
-        self._accounted()
+        self.accounting.peers_changed()
         if not (republish and covered):
             return
-        if await self._settle(f"republishing the changes of {len(covered)} hosts back"):
-            self._announce(sorted({*covered, *ahead}), since_unix)
+        if await self.republisher.settled(
+                f"republishing the changes of {len(covered)} hosts back"):
+            self.republisher.announce_caught_up(sorted({*covered, *ahead}), since_unix)
             self.stats.markers_sent += 1

@@ -25,27 +25,33 @@ per-peer streams did: a batch leaves at once when none of this host's is on
 its way, else when the one on its way completes, when MAX_BATCH entries wait,
 when a commit waits, or after LINGER. A thousand changes made one by one cost
 a few batches, not a thousand trees. Runs in the daemon's trio thread; the
-sending (a gRPC call per message, not waited for; a forward's reply may carry
-its range's ack: Reply) is the peer tier's.
+sending is a gRPC call per message, not waited for (TreeCalls; a forward's
+reply may carry its range's ack: Reply).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
+import grpc
 import trio
 
-from mtcfs.peer import fanout
+from mtcfs.peer import fanout, wire
 from mtcfs.peer.membership import Membership
+from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 500  # entries per batch: each batch is applied in one go
+BROADCAST_TIMEOUT = 5.0  # seconds a tree message's call may take
 DEGREE = fanout.FANOUT  # hosts a host forwards a batch to (read when a tier is made)
 TICK = 0.05  # seconds between retries' checks
 KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its batch
@@ -90,6 +96,41 @@ class Reply:
             return False
 
 
+class Clocked(Protocol):
+    """The index whose changes go out: its Lamport clock stamps each batch."""
+
+    clock: int
+
+
+class Inbox(Protocol):
+    """Where another host's batch is applied here (mtcfs.peer.remote)."""
+
+    def deliver(self, batch: pb.ChangeBatch) -> None: ...
+
+
+class Settles(Protocol):
+    """The kernel's caches (mtcfs.fs.kernel)."""
+
+    def settle(self, timeout: float) -> bool:
+        """Wait (in a worker thread) until the kernel dropped what it caches of the
+        names applied so far; False if it did not within `timeout`."""
+        ...
+
+
+class TreeCalls:
+    """One tree message to one host: a one-way gRPC `Forward` call, not waited for
+    (a lost one is sent again by the tree), so the trio thread never blocks on a
+    peer. Its reply says whether the receiver's range acked in it."""
+
+    def __init__(self, members: Membership) -> None:
+        self.members = members
+
+    def forward(self, addr: str, msg: fanout.Message) -> grpc.Future:
+        return self.members.stub_for(addr).Forward.future(
+            wire.tree_to_pb(self.members.me, msg), timeout=BROADCAST_TIMEOUT,
+            metadata=self.members.metadata)
+
+
 @dataclass
 class Stats:
     batches_sent: int = 0  # this host's batches published
@@ -105,21 +146,19 @@ class Stats:
 
 
 class Broadcaster:
-    def __init__(self, members: Membership, node_id: str, clock: Callable[[], int],
-                 send: Callable[[str, fanout.Message, int], None],
-                 deliver: Callable[[pb.ChangeBatch], None],
-                 settle: Callable[[float], bool], commit_timeout: float,
+    def __init__(self, members: Membership, node_id: str, index: Clocked, outbox: Outbox,
+                 calls: TreeCalls, inbox: Inbox, kernel: Settles, commit_timeout: float,
                  degree: int | None = None) -> None:
-        """`send(address, message, attempt)`: one message to one host (the tier's gRPC
-        call, not waited for; send_failed is called if it fails); `deliver(batch)`:
-        apply another host's batch here; `settle(timeout)`: wait (in a worker thread)
-        until the kernel dropped what it caches of the names applied so far."""
+        """`outbox`: this host's changes waiting to go (the index puts them there);
+        `calls`: one message to one host; `inbox`: another host's batch applied here;
+        `kernel`: settled before an ack says "applied here"."""
         self.members = members
         self.node_id = node_id
-        self.clock = clock
-        self._send = send
-        self._deliver = deliver
-        self._settle = settle
+        self.index = index
+        self.outbox = outbox
+        self.calls = calls
+        self._deliver = inbox.deliver
+        self._settle = kernel.settle
         self.commit_timeout = commit_timeout
         self.stats = Stats()
         # Numbered from the start time in µs: never a number of a previous life's.
@@ -127,21 +166,19 @@ class Broadcaster:
                                   fanout=degree or DEGREE,
                                   retry=TREE_RETRY, max_backoff=1,
                                   first_seq=time.time_ns() // 1000)
-        self._nursery: trio.Nursery | None = None
+        self._nursery: list[trio.Nursery] = []  # where resends run, once it runs
         # Forward handlers waiting for their range's ack: (origin, seq, end, parent).
         self._replies: dict[tuple[str, int, str, str], list[Reply]] = {}
-        self._buffer: list[pb.Entry] = []
-        self._wake = trio.Event()
         self._progress = trio.Event()  # set on every completed batch and membership change
         self._acks: list[tuple[str, fanout.Message]] = []
         self._acks_ready = trio.Event()
+        self._flying = trio.Event()  # set when a batch may be in flight: retries to watch
         self._unsettled = False  # a batch applied since the kernel last settled
         self._counted: list[str] = []  # the hosts of the trees: sorted addresses
         self._counted_version = -1
         self._known: set[str] = set()  # the counted hosts as of the last kick
         # Observers (metrics): called with the seconds a commit waited.
         self.observers: list[Callable[[float], None]] = []
-        self.on_timeout: Callable[[], None] = lambda: None
 
     # -- the hosts of the trees --------------------------------------------------------
 
@@ -177,23 +214,29 @@ class Broadcaster:
 
     def publish(self, entries: list[pb.Entry]) -> None:
         """Queue entries for every host: they leave in the next batch (see above)."""
-        if entries:
-            self._buffer.extend(entries)
-            self._wake.set()
+        self.outbox.put(entries)
 
     def announce(self, marker: pb.CaughtUp) -> None:
         """A catch-up marker (mtcfs.peer.catchup) in a batch of its own, after
         everything published before it."""
         self._flush()
-        self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(),
+        self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock,
                                      caught_up=marker))
         self._notify()
 
+    def announce_caught_up(self, hosts: list[str], since_unix: float) -> None:
+        """This host caught up with `hosts` from `since_unix` on, for its side."""
+        self.announce(pb.CaughtUp(hosts=hosts, since_unix=since_unix))
+
+    async def settled(self, what: str) -> bool:
+        """The commit rule for what this host republished: True once every live host
+        applied it (False: some did not within --commit-timeout)."""
+        return not await self.wait_applied(what)
+
     def _flush(self) -> None:
-        while self._buffer:
-            part, self._buffer = self._buffer[:MAX_BATCH], self._buffer[MAX_BATCH:]
-            self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.clock(),
-                                         entries=part))
+        while self.outbox.entries:
+            self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock,
+                                         entries=self.outbox.take(MAX_BATCH)))
         self._notify()  # a batch to no one (no other host) is complete at once
 
     def _publish(self, batch: pb.ChangeBatch) -> None:
@@ -204,12 +247,12 @@ class Broadcaster:
 
     def pending(self) -> int:
         """Entries of this host's not yet on every host."""
-        return len(self._buffer) + sum(len(b.entries) for b in self.tree.own_in_flight()
+        return self.outbox.count() + sum(len(b.entries) for b in self.tree.own_in_flight()
                                        if isinstance(b, pb.ChangeBatch))
 
     def quiet(self) -> bool:
         """Nothing of this host's on its way."""
-        return not self._buffer and self.caught_up()
+        return not self.outbox.entries and self.caught_up()
 
     def caught_up(self) -> bool:
         """Every batch this host published has reached every live host."""
@@ -249,6 +292,8 @@ class Broadcaster:
         self._unsettled = True
 
     def _emit(self, out: fanout.Out) -> None:
+        if out or self._replies:
+            self._flying.set()
         for dst, msg in out:
             if isinstance(msg, fanout.Ack):
                 waiting = self._replies.pop((msg.origin, msg.seq, msg.end, dst), [])
@@ -292,7 +337,6 @@ class Broadcaster:
             names.append(f"{(p.node_id if p else '') or '?'} ({addr})")
         self.stats.timeouts += 1
         self.stats.last_timeout = ", ".join(names)
-        self.on_timeout()
         log.error("%s: returned after --commit-timeout %.1f s; these peers (or a host they "
                   "forward to) did not answer and may not see it yet: %s", what,
                   self.commit_timeout, ", ".join(names))
@@ -302,25 +346,52 @@ class Broadcaster:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self._nursery.append(nursery)
             nursery.start_soon(self._send_acks)
             nursery.start_soon(self._retry)
             while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
+                await self.outbox.wait()
                 # Let changes gather while a batch of ours is on its way (bounded).
                 with trio.move_on_after(LINGER):
-                    while (self._buffer and len(self._buffer) < MAX_BATCH
+                    while (self.outbox.entries and self.outbox.count() < MAX_BATCH
                            and self.tree.own_in_flight()):
                         await self._progress.wait()
                 self._flush()
+
+    def _send(self, dst: str, msg: fanout.Message, attempt: int = 0) -> None:
+        """One message down or up a tree, not waited for: its call's outcome comes
+        back to this trio thread (send_failed, acked_in_reply or delivered)."""
+        call = self.calls.forward(dst, msg)
+        token = trio.lowlevel.current_trio_token()
+
+        def sent(call: grpc.Future) -> None:  # in a gRPC thread
+            if call.exception() is not None:
+                then: Callable[[], None] = partial(self.send_failed, dst, msg, attempt)
+            elif call.result().acked:
+                then = partial(self.acked_in_reply, dst, msg)
+            else:
+                then = partial(self.delivered, dst, msg)
+
+            def in_trio() -> None:
+                # Not a task: an exception here would end the whole run (shutting down,
+                # the broadcaster's nursery may be closed already).
+                try:
+                    then()
+                except Exception as e:
+                    log.debug("tree message to %s: %s", dst, e)
+
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(in_trio)
+
+        call.add_done_callback(sent)
 
     def send_failed(self, dst: str, msg: fanout.Message, attempt: int) -> None:
         """A call carrying `msg` failed (in the trio thread): send it again shortly,
         unless the host is no longer one of the trees'."""
         self.stats.send_errors += 1
-        if attempt < RESENDS and self._nursery is not None:
-            self._nursery.start_soon(self._resend, dst, msg, attempt + 1)
+        if attempt < RESENDS:
+            for nursery in self._nursery:  # (none before it runs)
+                nursery.start_soon(self._resend, dst, msg, attempt + 1)
 
     async def _resend(self, dst: str, msg: fanout.Message, attempt: int) -> None:
         await trio.sleep(RESEND * attempt)
@@ -330,6 +401,10 @@ class Broadcaster:
 
     async def _retry(self) -> None:
         while True:
+            if not self.tree.in_flight() and not self._replies:
+                # Nothing on its way: no timer to watch until a batch leaves or comes.
+                await self._flying.wait()
+            self._flying = trio.Event()
             await trio.sleep(TICK)
             self._emit(self.tree.tick(time.monotonic()))
             for key in [k for k, rs in self._replies.items() if all(r.abandoned for r in rs)]:

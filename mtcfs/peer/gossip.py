@@ -35,7 +35,7 @@ import trio
 from blake3 import blake3
 from google.protobuf.message import DecodeError
 
-from mtcfs.peer.addresses import parse_address
+from mtcfs.peer.addresses import AddressError, parse_address
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ MAC_LEN = 32
 MAX_DATAGRAM = 65507
 MAX_SKEW = 30 * 10**9  # ns: hosts' clocks further apart than this cannot talk
 REORDER = 2 * 10**9  # ns: a datagram this far behind its sender's newest is dropped
+MAX_SENDERS = 4096  # replay windows kept before those past MAX_SKEW are forgotten
 
 
 def gossip_key(secret: bytes | None) -> bytes:
@@ -107,11 +108,20 @@ class Codec:
         if m.to != self.me:
             self.dropped.misdirected += 1
             return None
+        try:  # the answer goes there: a sender that is no address is no peer
+            parse_address(m.from_node, "sender")
+        except AddressError:
+            self.dropped.malformed += 1
+            return None
         now = self._clock()
         if abs(m.stamp - now) > MAX_SKEW:
             self.dropped.stale += 1
             return None
-        w = self._windows.setdefault(m.from_node, _Window())
+        w = self._windows.get(m.from_node)
+        if w is None:
+            if len(self._windows) >= MAX_SENDERS:
+                self._forget_stale(now)
+            w = self._windows[m.from_node] = _Window()
         if m.stamp <= w.newest - REORDER or m.stamp in w.seen:
             self.dropped.replayed += 1
             return None
@@ -121,6 +131,12 @@ class Codec:
             if len(w.seen) > 64:
                 w.seen = {s for s in w.seen if s > w.newest - REORDER}
         return m
+
+    def _forget_stale(self, now: int) -> None:
+        """Drop the windows of senders silent for MAX_SKEW: any stamp such a window
+        holds is refused as stale anyway (one window per address a token holder ever
+        sent from would grow without bound)."""
+        self._windows = {s: w for s, w in self._windows.items() if w.newest >= now - MAX_SKEW}
 
     def forget(self, sender: str) -> None:
         self._windows.pop(sender, None)
@@ -134,6 +150,8 @@ class Endpoint:
     """A non-blocking UDP socket on this host's --listen address. Sends never wait
     (a full socket buffer drops the datagram: SWIM copes with loss); receives are
     read in the trio thread as they arrive."""
+
+    bound = True  # (membership's stand-in before it binds says False)
 
     def __init__(self, listen: str) -> None:
         host, port = parse_address(listen, "--listen address")
@@ -150,10 +168,10 @@ class Endpoint:
     def _resolve(self, addr: str) -> tuple[str, int] | None:
         got = self._addrs.get(addr)
         if got is None:
-            host, port = parse_address(addr, "peer address")
             try:
+                host, port = parse_address(addr, "peer address")
                 infos = socket.getaddrinfo(host, port, self.sock.family, socket.SOCK_DGRAM)
-            except OSError as e:
+            except (AddressError, OSError, UnicodeError) as e:  # (idna: a bad host name)
                 log.warning("peer %s: %s", addr, e)
                 return None
             got = self._addrs[addr] = infos[0][4][:2]

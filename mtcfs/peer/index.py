@@ -27,13 +27,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from mtcfs.fs.namespace import CLOSED, ROOT, ROOT_GUID, Inode, Namespace
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.core.copies import Copies
+from mtcfs.core.namespace import CLOSED, ROOT, ROOT_GUID, Inode, Namespace
+from mtcfs.core.versions import Versions
+from mtcfs.peer.outbox import NOWHERE, Outbox
+from mtcfs.peer.snapshots import Snapshots
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-TOMBSTONE_TTL = 24 * 3600.0  # a host away longer than this may bring back removed entries
 MAX_PENDING = 100_000
 # Ids whose last change time is kept for delta snapshots. One per entry or tombstone,
 # so the index's own size bounds it; past this the oldest are forgotten.
@@ -100,8 +102,8 @@ def entry_stamp(e: pb.Entry) -> tuple[int, str]:
 
 class ReplicatedIndex:
     def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
-                 copies: Copies | None = None, now: Callable[[], float] | None = None
-                 ) -> None:
+                 copies: Copies | None = None, now: Callable[[], float] | None = None,
+                 outbox: Outbox = NOWHERE) -> None:
         self.ns = ns
         self.now = now if now is not None else time.monotonic  # for change times
         self.node_id = node_id
@@ -123,7 +125,8 @@ class ReplicatedIndex:
         # An index that starts empty has every change it will have in recent.
         known = len(ns.inodes) > 1 or self.tombstones
         self.recent_floor = self.now() if known else float("-inf")
-        self.outbox: Callable[[list[pb.Entry]], None] = lambda entries: None
+        # Where this host's changes go (the broadcaster takes them from there).
+        self.outbox = outbox
         self.touched: list[Inode] = []  # nodes the last apply() created or changed
         # Nodes the last apply() said this host holds, which it does not: the tier
         # announces that (a replacement host with the same node id has none).
@@ -147,7 +150,7 @@ class ReplicatedIndex:
                 self._note(node.guid)
                 out.append(self.entry_of(node))
         if out:
-            self.outbox(out)
+            self.outbox.put(out)
 
     def removed(self, node: Inode) -> None:
         """A local unlink/rmdir, or the target a rename replaced."""
@@ -156,7 +159,7 @@ class ReplicatedIndex:
         lam = self.tick()
         self._tombstone(node.guid, lam, self.node_id)
         self._note(node.guid)
-        self.outbox([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
+        self.outbox.put([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
 
     def holders_changed(self, node: Inode, dropped: str = "") -> None:
         """Copies of this version came (or, `dropped`, one was evicted). Holders merge
@@ -166,7 +169,7 @@ class ReplicatedIndex:
             e = self.entry_of(node)
             if dropped:
                 e.dropped.append(dropped)
-            self.outbox([e])
+            self.outbox.put([e])
 
     def sources_changed(self, node: Inode, dropped: str = "") -> None:
         """This host began or stopped serving a persisted file it reads through. Its
@@ -185,7 +188,7 @@ class ReplicatedIndex:
         e = self.entry_of(node)
         if dropped:
             e.dropped.append(dropped)
-        self.outbox([*out[::-1], e])
+        self.outbox.put([*out[::-1], e])
 
     def publish_ancestors(self, node: Inode) -> None:
         """Send `node`'s directories again where another host made them: a peer that
@@ -198,7 +201,7 @@ class ReplicatedIndex:
                 out.append(self.entry_of(d))
             d = self.ns.inodes.get(d.parent)
         if out:
-            self.outbox(out[::-1])  # parents first
+            self.outbox.put(out[::-1])  # parents first
 
     @staticmethod
     def visible(node: Inode) -> bool:
@@ -235,74 +238,16 @@ class ReplicatedIndex:
 
     def snapshot(self) -> Iterator[pb.Entry]:
         """Every visible entry, parents before children, then the tombstones."""
-        for piece in self.snapshot_pieces(1 << 62):
-            yield from piece
+        return Snapshots(self).whole()
 
     def snapshot_pieces(self, size: int) -> Iterator[list[pb.Entry]]:
-        """The snapshot in pieces of at most `size` entries, each made when it is asked
-        for: a source serves its first piece at once and the requester applies it
-        while the next is made. Only the order (inode numbers) is taken up front.
-        Advance it in the thread that owns the namespace; other changes may run
-        between pieces: a piece shows entries as they are then (a node gone by then
-        is left out), and the requester, counted for commits before the first piece,
-        gets those changes by broadcast too: merged by stamp, either order is sound."""
-        order: list[int] = []
-        todo = [ROOT]
-        seen: set[int] = set()  # a hard-linked file is under several directories
-        while todo:
-            d = self.ns.inodes[todo.pop()]
-            assert d.children is not None
-            for ino in d.children.values():
-                node = self.ns.inodes[ino]
-                if node.links:
-                    if ino in seen:
-                        continue
-                    seen.add(ino)
-                order.append(ino)
-                if node.is_dir:
-                    todo.append(ino)
-        tombs = list(self.tombstones)
-        inodes, visible = self.ns.inodes, self.visible
-
-        def entries() -> Iterator[pb.Entry]:
-            for ino in order:
-                node = inodes.get(ino)
-                if node is not None and visible(node):
-                    yield self.entry_of(node)
-            now = time.time()
-            for g in tombs:
-                tomb = self.tombstones.get(g)
-                if tomb is not None and now - tomb[2] < TOMBSTONE_TTL:
-                    yield _removal(g, tomb)
-
-        yield from _in_pieces(entries(), size)
+        """The snapshot in pieces of at most `size` entries (mtcfs.peer.snapshots)."""
+        return Snapshots(self).pieces(size)
 
     def delta_pieces(self, since_s: float, size: int) -> Iterator[list[pb.Entry]] | None:
-        """What changed here in the last `since_s` seconds, oldest change first, in
-        pieces made as snapshot_pieces makes them: for a host that was away (seen dead)
-        that long, instead of the whole snapshot. None when this index cannot tell:
-        this process started, or forgot the oldest changes, after that."""
-        cutoff = self.now() - since_s
-        if cutoff < self.recent_floor:
-            return None
-        ids: list[str] = []
-        for g in reversed(self.recent):
-            if self.recent[g] < cutoff:
-                break
-            ids.append(g)
-        ids.reverse()
-        return self._pieces_of(ids, size)
-
-    def _pieces_of(self, ids: list[str], size: int) -> Iterator[list[pb.Entry]]:
-        def entries() -> Iterator[pb.Entry]:
-            for g in ids:
-                node = self.ns.by_global_id(g)
-                if node is not None and self.visible(node):
-                    yield self.entry_of(node)
-                elif (tomb := self.tombstones.get(g)) is not None:
-                    yield _removal(g, tomb)
-
-        return _in_pieces(entries(), size)
+        """What changed here in the last `since_s` seconds, in pieces; None when this
+        index cannot tell (mtcfs.peer.snapshots)."""
+        return Snapshots(self).delta(since_s, size)
 
     def _note(self, gid: str) -> None:
         """`gid` changed here now (made here or applied): it goes to the end of recent."""
@@ -343,6 +288,11 @@ class ReplicatedIndex:
 
     def _apply_entry(self, e: pb.Entry) -> bool:
         gid = self.resolve(e.id)
+        if gid != e.id and not self._linked(gid):
+            # The directory it merged with is gone: the id stands for itself again (else
+            # each change of it made one more node with that id).
+            del self.aliases[e.id]
+            gid = e.id
         tomb = self.tombstones.get(gid)
         if tomb is not None and (tomb[0], tomb[1]) >= entry_stamp(e):
             self.stats.ignored += 1
@@ -361,6 +311,10 @@ class ReplicatedIndex:
         else:
             done = self._create(parent, e)
         return done
+
+    def _linked(self, gid: str) -> bool:
+        node = self.ns.by_global_id(gid)
+        return node is not None and node.linked
 
     def _apply_removal(self, gid: str, e: pb.Entry) -> bool:
         self._tombstone(gid, e.lamport, e.writer)
@@ -410,7 +364,9 @@ class ReplicatedIndex:
                     self._set_attrs(existing, e)
                 self._release_pending(e.id)
                 return True
-            if stamp_of(existing) >= entry_stamp(e) or existing.opens and existing.dirty:
+            if (stamp_of(existing) >= entry_stamp(e) or existing.opens and existing.dirty
+                    or existing.is_dir and existing.children):
+                # (A directory with entries keeps its name: taking it would orphan them.)
                 self.stats.conflicts += 1
                 log.info("name conflict at %s: keeping ours over %s's",
                          self.ns.path_of(existing), e.writer)
@@ -510,8 +466,7 @@ class ReplicatedIndex:
 
     @staticmethod
     def _same_content(node: Inode, e: pb.Entry) -> bool:
-        return (node.version == e.version and node.size == e.size
-                and node.crc32c == (e.crc32c if e.has_crc else None))
+        return Versions.same_content(node, e.version, e.size, e.crc32c if e.has_crc else None)
 
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
         """Same version: holders merge as a set, and a persisted flag is taken."""
@@ -541,12 +496,10 @@ class ReplicatedIndex:
 
     def _set_content(self, node: Inode, e: pb.Entry) -> None:
         fresh = not self._same_content(node, e)
-        node.size = e.size
-        node.crc32c = e.crc32c if e.has_crc else None
-        node.version = e.version
-        node.author = e.author or e.writer  # (a peer of an older version: its stamp)
-        node.state = CLOSED
-        node.block_crcs = bytes(e.block_crcs) if e.block_crcs else None
+        # (Versions' rules need nothing of this host: no instance of its own here.)
+        Versions.adopted(node, e.version, e.size, e.crc32c if e.has_crc else None,
+                         bytes(e.block_crcs) if e.block_crcs else None,
+                         e.author or e.writer)  # (a peer of an older version: its stamp)
         if fresh and node.has_data:
             self.hooks.forget_data(node)
         if self.copies.take_version(node, e.holders, e.persisted_version, e.generation, fresh,
@@ -572,19 +525,3 @@ class ReplicatedIndex:
             "recent": len(self.recent),
         }
 
-
-def _removal(gid: str, tomb: tuple[int, str, float]) -> pb.Entry:
-    """The entry that says `gid` was removed (its tombstone: lamport, writer, when)."""
-    return pb.Entry(id=gid, lamport=tomb[0], writer=tomb[1], removed=True)
-
-
-def _in_pieces(entries: Iterator[pb.Entry], size: int) -> Iterator[list[pb.Entry]]:
-    """Entries in lists of at most `size`, each made only when it is asked for."""
-    piece: list[pb.Entry] = []
-    for e in entries:
-        piece.append(e)
-        if len(piece) >= size:
-            yield piece
-            piece = []
-    if piece:
-        yield piece

@@ -48,9 +48,13 @@ RECHECK_MAX = 8
 STRANGERS = 64  # channels kept to hosts not among the peers (stub_for)
 
 # The daemon's SWIM timing: a host loaded by other work (FUSE, replication, tests on two
-# cores) may answer a probe late; a suspicion is refuted, a death is not.
-DAEMON_SWIM = swim.SwimConfig(period=0.5, partner_period=0.25, ack_timeout=0.3,
-                              suspicion_mult=4.0)
+# cores) may answer a probe late; a suspicion is refuted, a death is not. Probes are
+# most of an idle daemon's CPU (each datagram ~0.2 ms of Python at both ends): a member
+# each second and a replica partner in the same tick; a probe unanswered for 0.5 s
+# makes a suspect (as with a 0.5 s period), and the suspicion timeout,
+# 2 x max(1, log10 N) x period, is what it was with 4 x 0.5 s.
+DAEMON_SWIM = swim.SwimConfig(period=1.0, partner_period=1.0, ack_timeout=0.3,
+                              probe_timeout=0.5, suspicion_mult=2.0)
 
 
 class _Channel:
@@ -60,22 +64,21 @@ class _Channel:
     def __init__(self, addr: str, tls: tuple[bytes, bytes, bytes | None] | None) -> None:
         self.addr = addr
         self.tls = tls
-        self.channel: grpc.Channel | None = None
-        self.stub: pb_grpc.PeerStub | None = None
+        self._opened: list[tuple[grpc.Channel, pb_grpc.PeerStub]] = []  # none, or the one
         self._lock = threading.Lock()  # opened from the trio thread or a worker thread
 
     def open(self) -> pb_grpc.PeerStub:
         with self._lock:
-            if self.stub is None:
-                self.channel = security.open_channel(self.addr, self.tls)
-                self.stub = pb_grpc.PeerStub(self.channel)
-            return self.stub
+            if not self._opened:
+                channel = security.open_channel(self.addr, self.tls)
+                self._opened.append((channel, pb_grpc.PeerStub(channel)))
+            return self._opened[0][1]
 
     def close(self) -> None:
         with self._lock:
-            if self.channel is not None:
-                self.channel.close()
-                self.channel, self.stub = None, None
+            for channel, _ in self._opened:
+                channel.close()
+            self._opened.clear()
 
 
 @dataclass(eq=False)
@@ -102,10 +105,6 @@ class Peer:
         return self.conn.open()
 
     @property
-    def channel(self) -> grpc.Channel | None:
-        return self.conn.channel
-
-    @property
     def known_dead(self) -> bool:
         """Declared dead: commits stop waiting for it."""
         return self.dead
@@ -125,7 +124,7 @@ class Peer:
 
 
 class MembershipEvents(Protocol):
-    """What membership tells (mtcfs.events.Listener has these)."""
+    """What membership tells (mtcfs.core.events.Listener has these)."""
 
     def peer_alive(self, peer: Peer) -> None: ...
 
@@ -136,6 +135,39 @@ class MembershipEvents(Protocol):
     def peer_restarted(self, peer: Peer) -> None: ...
 
     def peers_changed(self) -> None: ...
+
+
+class FreeRam(Protocol):
+    """This host's RAM tier, as membership tells the others of it."""
+
+    @property
+    def free(self) -> int: ...
+
+
+class _UnknownRam:
+    """No RAM tier to look at (tools and simulations): told as none free."""
+
+    free = 0
+
+
+class _Unbound:
+    """The datagram socket before open(): nothing sent, nothing received."""
+
+    bound = False
+    sent = received = bytes_sent = bytes_received = send_errors = 0
+
+    def send(self, addr: str, data: bytes) -> None:
+        pass
+
+    def forget(self, addr: str) -> None:
+        pass
+
+    async def receive(self) -> list[bytes]:
+        await trio.sleep_forever()
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 class _Unheard:
@@ -173,7 +205,7 @@ class Membership:
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
                  events: MembershipEvents | None = None, *, domain: str = "",
                  replicas: int = 0, config: swim.SwimConfig = DAEMON_SWIM,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, ram: FreeRam | None = None) -> None:
         self.me = me
         self.node_id = node_id
         self.static = static
@@ -183,6 +215,9 @@ class Membership:
         self.tls = tls
         self.events = events or _Unheard()
         self.local = Self(node_id, domain, replicas=replicas)
+        # This host's free RAM: looked at on each timer of the run loop, told in every
+        # datagram.
+        self.ram: FreeRam = ram or _UnknownRam()
         self.peers: dict[str, Peer] = {}
         self._file_mtime = 0.0
         self._started = time.time()
@@ -192,14 +227,20 @@ class Membership:
         self.swim = swim.Swim(me, [], self, self._rng, config, partners=self._partners,
                               now=time.monotonic(), incarnation=time.time_ns() // 10**6)
         self.codec = Codec(me, secret)
-        self.endpoint: Endpoint | None = None
-        self._ring: tuple[int, list[str], dict[str, str]] | None = None
+        self.endpoint: Endpoint | _Unbound = _Unbound()  # bound by open()
+        # The placement ring as of a membership version (-1: not made yet).
+        self._ring: tuple[int, list[str], dict[str, str]] = (-1, [], {})
         self._ring_version = 0
         self._changed = trio.Event()
         self._hellos: dict[int, str] = {}  # seq of a hello -> the peer it went to
         self.answered: set[str] = set()  # peers that answered a hello: they know us
         self._pings: dict[int, tuple[str, float]] = {}  # our pings: seq -> (peer, sent)
         self._recheck_at = 0.0
+        self._next_file = 0.0  # when the peers file is looked at next
+        self._cut = False  # some peer was unreachable from here at the last look
+        # The run loop's sleep until its next timer, moved by what is sent and received
+        # meanwhile (see _rearm); None while it runs.
+        self._sleep: list[trio.CancelScope] = []  # the run loop's sleep, while it sleeps
         self._strangers: dict[str, _Channel] = {}  # channels to hosts not among the peers
         self.sync_addresses()
 
@@ -223,7 +264,7 @@ class Membership:
                 self.swim.add(addr)
                 self._ring_version += 1
                 log.info("peer %s added", addr)
-                if self.endpoint is not None:
+                if self.endpoint.bound:
                     self.hello(addr)
         for addr in list(self.peers):
             if addr not in want:
@@ -232,8 +273,7 @@ class Membership:
                 p.conn.close()
                 self.swim.remove(addr)
                 self.codec.forget(addr)
-                if self.endpoint is not None:
-                    self.endpoint.forget(addr)
+                self.endpoint.forget(addr)
                 log.info("peer %s removed", addr)
                 self._ring_version += 1
                 self.events.peers_changed()
@@ -345,7 +385,7 @@ class Membership:
         k = self.local.replicas
         if k < 1:
             return []
-        if self._ring is None or self._ring[0] != self._ring_version:
+        if self._ring[0] != self._ring_version:
             live = {p.node_id: p for p in self.peers.values() if p.alive}
             order = placement.ring([(self.node_id, self.local.domain),
                                     *((n, p.domain) for n, p in live.items())])
@@ -359,7 +399,7 @@ class Membership:
 
     def open(self) -> None:
         """Bind the datagram socket (before the peer tier waits for its peers)."""
-        if self.endpoint is None:
+        if not self.endpoint.bound:
             try:
                 self.endpoint = Endpoint(self.me)
             except OSError as e:
@@ -367,7 +407,7 @@ class Membership:
                                        f"{e.strerror}") from None
 
     def _send(self, out: swim.Out) -> None:
-        if self.endpoint is None:
+        if not self.endpoint.bound:
             return
         for dst, msg in out:
             if msg.kind == swim.PING and dst in self.peers:
@@ -394,6 +434,31 @@ class Membership:
                                                    msg.target, part))])
                 continue
             self.endpoint.send(dst, data)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Move the run loop's wake-up to the next timer now due: sooner for a probe
+        sent or a suspicion heard, later for a probe answered (no wake-up for nothing)."""
+        for sleep in self._sleep:
+            sleep.deadline = self._trio_time(self._due())
+
+    @staticmethod
+    def _trio_time(t: float) -> float:
+        """A time.monotonic() time on trio's clock."""
+        return trio.current_time() + max(0.0, t - time.monotonic())
+
+    def _due(self) -> float:
+        """When the run loop next has something to do (SWIM's timers and ours); the
+        loop sleeps until then (SWIM judges its lateness by it)."""
+        due = self.swim.next_due(plan=True)
+        if self.peers_file:
+            due = min(due, self._next_file)
+        if self._pings:
+            due = min(due, min(sent for _, sent in self._pings.values())
+                      + self.swim.config.period)
+        if self._cut:
+            due = min(due, self._recheck_at)
+        return due
 
     def receive(self, data: bytes, now: float) -> None:
         m = self.codec.open(data)
@@ -513,6 +578,23 @@ class Membership:
         if p.addr in self.peers:
             self._send(self.swim.probe(p.addr, time.monotonic()))
 
+    def gone(self, addresses: list[str], reason: str) -> int:
+        """Word from outside (mtcfs controller: Kubernetes deleted or evicted these
+        hosts' pods) that they are gone: each one known and not dead yet is probed at
+        once, and declared dead without the suspicion period if it does not answer
+        (mtcfs.peer.swim.Swim.gone). Returns how many are probed."""
+        now = time.monotonic()
+        probed = 0
+        for addr in addresses:
+            p = self.peers.get(addr)
+            if p is None or p.dead or addr == self.me:
+                continue
+            log.info("peer %s (%s) is gone by word from outside (%s): probing it now",
+                     addr, p.node_id or "?", reason or "no reason given")
+            self._send(self.swim.gone(addr, now))
+            probed += 1
+        return probed
+
     def needs_poke(self, addr: str) -> bool:
         """Called from a gRPC thread: only a peer we think is down needs the trio thread."""
         p = self.peers.get(addr)
@@ -526,24 +608,30 @@ class Membership:
 
     async def run(self) -> None:
         self.open()
-        assert self.endpoint is not None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_loop)
-            next_file = 0.0
             while True:
                 now = time.monotonic()
-                if now >= next_file:
-                    next_file = now + FILE_CHECK
+                if now >= self._next_file:
+                    self._next_file = now + FILE_CHECK
                     self._watch_file()
+                self.local.ram_free = self.ram.free
                 self._send(self.swim.tick(now))
                 self._direct(now)
-                await trio.sleep(swim.TICK)
+                # Asleep until the next timer (an idle host: a few wake-ups a second,
+                # not one every TICK); messages move it (_rearm).
+                with trio.CancelScope(deadline=self._trio_time(self._due())) as sleep:
+                    self._sleep.append(sleep)
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        self._sleep.clear()
 
     def _direct(self, now: float) -> None:
         """Count this host's pings that went unanswered; ping unreachable peers again."""
         late = now - self.swim.config.period
         for seq, (addr, sent) in list(self._pings.items()):
-            if sent >= late:
+            if sent > late:
                 continue
             del self._pings[seq]
             p = self.peers.get(addr)
@@ -551,17 +639,17 @@ class Membership:
                 continue
             p.missed += 1
             if p.missed >= MISSED_DIRECT and not p.unreachable and not p.dead:
-                p.unreachable = True
+                p.unreachable = self._cut = True
                 log.warning("peer %s (%s) does not answer this host's pings: not asked for "
                             "data until it does", addr, p.node_id or "?")
-        if now >= self._recheck_at:
+        if self._cut and now >= self._recheck_at:
             self._recheck_at = now + RECHECK
             cut = [p for p in self.peers.values() if p.unreachable and not p.dead]
+            self._cut = bool(cut)
             for p in self._rng.sample(cut, min(RECHECK_MAX, len(cut))):
                 self._send(self.swim.hello(p.addr))
 
     async def _receive_loop(self) -> None:
-        assert self.endpoint is not None
         while True:
             for data in await self.endpoint.receive():
                 self.receive(data, time.monotonic())
@@ -579,7 +667,7 @@ class Membership:
 
     def status(self) -> dict[str, object]:
         out: dict[str, object] = {"swim": self.swim.status()}
-        if self.endpoint is not None:
+        if self.endpoint.bound:
             e = self.endpoint
             out["datagrams"] = {"sent": e.sent, "received": e.received,
                                 "bytes_sent": e.bytes_sent, "bytes_received": e.bytes_received,
@@ -606,6 +694,5 @@ class Membership:
     def close(self) -> None:
         for conn in [*(p.conn for p in self.peers.values()), *self._strangers.values()]:
             conn.close()
-        if self.endpoint is not None:
-            self.endpoint.close()
+        self.endpoint.close()
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import google_crc32c
 import trio
 
-from mtcfs.checksums import IntegrityError
+from mtcfs.core.checksums import IntegrityError
 
 log = logging.getLogger(__name__)
 

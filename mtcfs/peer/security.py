@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from mtcfs.fs.namespace import ROOT_GUID
+from mtcfs.core.namespace import ROOT_GUID
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 AUTH_KEY = "authorization"
@@ -134,8 +134,8 @@ def check_entry(e: pb.Entry) -> None:
     if e.author:
         check_node_id(e.author, "author")
     # uint64 on the wire; SQLite and stat() take int64 (the lamport clock must still tick).
-    if max(e.lamport, e.size, e.version, e.persisted_version) >= MAX_COUNTER:
-        raise BadRequest("lamport, size or version out of range")
+    if max(e.lamport, e.size, e.version, e.persisted_version, e.rdev) >= MAX_COUNTER:
+        raise BadRequest("lamport, size, version or device number out of range")
     if e.removed:
         return
     if e.mode > 0o177777 or stat.S_IFMT(e.mode) not in ENTRY_TYPES:
@@ -180,6 +180,17 @@ def check_tree(m: pb.TreeMessage) -> None:
             raise BadRequest("an ack names its range")
     else:
         check_batch(m.batch)
+
+
+def check_gone(m: pb.GoneRequest) -> None:
+    """Hosts said to be gone (the controller's word): addresses and a reason, bounded."""
+    if len(m.addresses) > MAX_HOSTS:
+        raise BadRequest(f"too many hosts listed ({len(m.addresses)})")
+    for a in m.addresses:
+        if not a or len(a) > MAX_ADDRESS:
+            raise BadRequest("an address is empty or too long")
+    if len(m.reason) > MAX_PATH:
+        raise BadRequest("reason too long")
 
 
 def check_batch(batch: pb.ChangeBatch) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import grpc
 import trio
 
-from mtcfs.checksums import BlockVerifier, IntegrityError
+from mtcfs.core.checksums import BlockVerifier, IntegrityError
 from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.v1 import peer_pb2 as pb
@@ -42,7 +42,7 @@ class Refused(Exception):
 
 
 class PeerHandler(Protocol):
-    """What the service needs of the host around it (the peer tier implements it).
+    """What the service needs of the host around it (mtcfs.peer.service.PeerService).
     Methods marked "trio" run in the daemon's trio thread, the others in gRPC threads."""
 
     node_id: str
@@ -56,7 +56,9 @@ class PeerHandler(Protocol):
     def kernel_settle(self, timeout: float) -> bool: ...
     def snapshot_for(self, from_node: str, listen: str, piece: int, since: float = 0.0
                      ) -> Iterator[list[pb.Entry]]: ...  # trio (and each piece too)
+    def uncovered(self) -> list[str]: ...  # trio
     def held(self) -> list[pb.HeldFile]: ...  # trio
+    def gone(self, addresses: list[str], reason: str) -> int: ...  # trio
     def begin_receive(self, e: pb.Entry) -> tuple[int, str]: ...  # trio
     def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool: ...  # trio
     def abort_receive(self, key: int, tmp: str) -> None: ...  # trio
@@ -66,10 +68,22 @@ class PeerHandler(Protocol):
                           wait: bool, timeout: float) -> tuple[str, int, int]: ...  # trio
 
 
-class PeerService(pb_grpc.PeerServicer):
-    def __init__(self, handler: PeerHandler, token: trio.lowlevel.TrioToken) -> None:
-        self.tier = handler
+class GrpcService(pb_grpc.PeerServicer):
+    """The gRPC calls, each handed to the handler (in the trio thread where marked)."""
+
+    def __init__(self, handler: PeerHandler, token: trio.lowlevel.TrioToken,
+                 file_bytes: bool = True) -> None:
+        self.handler = handler
         self.token = token
+        # False with --peer-encryption over plain gRPC: file bytes only on the
+        # (encrypting) data channel, never in clear here.
+        self.file_bytes = file_bytes
+
+    def _bytes_allowed(self) -> None:
+        if not self.file_bytes:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          "peer encryption is on here: file bytes go over the data channel "
+                          "only (or gRPC with TLS)")
 
     def _in_trio(self, fn: Any, *args: Any) -> Any:
         return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
@@ -90,28 +104,36 @@ class PeerService(pb_grpc.PeerServicer):
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
         if (request.listen and len(request.listen) < 300
-                and self.tier.needs_poke(request.listen)):
+                and self.handler.needs_poke(request.listen)):
             # A peer that calls us is up: do not wait for our next round to find out.
-            self._in_trio(self.tier.poke, request.listen)
-        return self.tier.health_reply()
+            self._in_trio(self.handler.poke, request.listen)
+        return self.handler.health_reply()
 
     def Broadcast(self, request: pb.ChangeBatch, context: grpc.ServicerContext) -> pb.BatchReply:
         try:
             security.check_batch(request)
-            applied = self._in_trio(self.tier.on_batch, request)
+            applied = self._in_trio(self.handler.on_batch, request)
         except Exception as e:
             self._fail(context, e)
         # The acknowledgement says "applied here": let the kernel drop the names it
         # caches first (bounded: a notification can wait for a directory lock that a
         # local commit holds while it waits for the sender; see mtcfs.fs.kernel).
-        self.tier.kernel_settle(KERNEL_SETTLE)
-        return pb.BatchReply(applied=applied, lamport=self.tier.lamport())
+        self.handler.kernel_settle(KERNEL_SETTLE)
+        return pb.BatchReply(applied=applied, lamport=self.handler.lamport())
+
+    def Gone(self, request: pb.GoneRequest, context: grpc.ServicerContext) -> pb.GoneReply:
+        try:
+            security.check_gone(request)
+            probing = self._in_trio(self.handler.gone, list(request.addresses), request.reason)
+        except Exception as e:
+            self._fail(context, e)
+        return pb.GoneReply(probing=probing)
 
     def Forward(self, request: pb.TreeMessage,
                 context: grpc.ServicerContext) -> pb.TreeReply:
         try:
             security.check_tree(request)
-            reply = self._in_trio(self.tier.on_tree, request)
+            reply = self._in_trio(self.handler.on_tree, request)
         except Exception as e:
             self._fail(context, e)
         # A batch: answer with its ack if this host's range applies it within a moment
@@ -119,7 +141,7 @@ class PeerService(pb_grpc.PeerServicer):
         if reply is None or not reply.wait(TREE_REPLY_WAIT):
             return pb.TreeReply()
         # "Applied here": let the kernel drop the names it caches first (bounded).
-        self.tier.kernel_settle(KERNEL_SETTLE)
+        self.handler.kernel_settle(KERNEL_SETTLE)
         return pb.TreeReply(acked=True)
 
     def Snapshot(self, request: pb.SnapshotRequest,
@@ -137,18 +159,19 @@ class PeerService(pb_grpc.PeerServicer):
         # In the trio thread: the requester counts for commits from this snapshot on.
         # Each piece is made there too when the stream wants it (the first leaves at
         # once; the requester applies it while the next is made).
-        pieces = self._in_trio(self.tier.snapshot_for, request.from_node, request.listen,
+        pieces = self._in_trio(self.handler.snapshot_for, request.from_node, request.listen,
                                SNAPSHOT_BATCH, request.since_s)
         while (piece := self._in_trio(next, pieces, None)) is not None:
-            yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
+            yield pb.ChangeBatch(from_node=self.handler.node_id, lamport=self.handler.lamport(),
                                  entries=piece)
         # Last: whose changes this snapshot may lack (the requester covers the others).
-        yield pb.ChangeBatch(from_node=self.tier.node_id, lamport=self.tier.lamport(),
-                             coverage=pb.Coverage(uncovered=self._in_trio(self.tier.uncovered)))
+        yield pb.ChangeBatch(from_node=self.handler.node_id, lamport=self.handler.lamport(),
+                             coverage=pb.Coverage(uncovered=self._in_trio(self.handler.uncovered)))
 
     def ListHeld(self, request: pb.ListHeldRequest,
                  context: grpc.ServicerContext) -> pb.ListHeldReply:
-        return pb.ListHeldReply(node_id=self.tier.node_id, files=self._in_trio(self.tier.held))
+        return pb.ListHeldReply(node_id=self.handler.node_id,
+                                files=self._in_trio(self.handler.held))
 
     # -- data ----------------------------------------------------------------------
 
@@ -156,6 +179,7 @@ class PeerService(pb_grpc.PeerServicer):
                  context: grpc.ServicerContext) -> pb.PushReply:
         first = next(request_iterator, None)
         try:
+            self._bytes_allowed()
             if first is None or not first.HasField("header"):
                 raise BadRequest("the first message of a push must carry the header")
             header = first.header
@@ -164,20 +188,20 @@ class PeerService(pb_grpc.PeerServicer):
             e = header.entry
             if e.removed or not e.has_crc:
                 raise BadRequest("a pushed file needs its crc32c")
-            key, tmp = self._in_trio(self.tier.begin_receive, e)
+            key, tmp = self._in_trio(self.handler.begin_receive, e)
         except Exception as exc:
             self._fail(context, exc)
         ok = False
         try:
             self._receive(first, request_iterator, e, tmp)
-            ok = self._in_trio(self.tier.finish_receive, e, key, tmp)
+            ok = self._in_trio(self.handler.finish_receive, e, key, tmp)
         except Exception as exc:
             log.warning("replica of %s from %s rejected: %s", header.path, e.writer, exc)
             self._fail(context, exc)
         finally:
             if not ok:  # refused, failed or aborted: give back the space reserved
-                self._in_trio(self.tier.abort_receive, key, tmp)
-        return pb.PushReply(stored=ok, node_id=self.tier.node_id)
+                self._in_trio(self.handler.abort_receive, key, tmp)
+        return pb.PushReply(stored=ok, node_id=self.handler.node_id)
 
     def _receive(self, first: pb.PushChunk, rest: Iterator[pb.PushChunk], e: pb.Entry,
                  tmp: str) -> None:
@@ -197,7 +221,7 @@ class PeerService(pb_grpc.PeerServicer):
                     verify.feed(data)  # raises IntegrityError on a bad block
                     os.pwrite(fd, data, chunk.offset)
                     # This host's trainer is writing: let it have the CPU (bounded).
-                    yielded += self.tier.yield_to_writes(mover.MAX_YIELD - yielded)
+                    yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
                 chunk = next(rest, None)
             verify.finish()
         finally:
@@ -206,9 +230,10 @@ class PeerService(pb_grpc.PeerServicer):
     def FetchFile(self, request: pb.FetchRequest,
                   context: grpc.ServicerContext) -> Iterator[pb.DataChunk]:
         try:
+            self._bytes_allowed()
             security.check_id(request.id)
             security.check_path(request.path)
-            fd, size = self._in_trio(self.tier.open_for_fetch, request.id, request.version)
+            fd, size = self._in_trio(self.handler.open_for_fetch, request.id, request.version)
         except Exception as e:
             self._fail(context, e)
         try:
@@ -224,10 +249,11 @@ class PeerService(pb_grpc.PeerServicer):
             os.close(fd)
 
 
-def start_server(tier: PeerHandler, listen: str, token: trio.lowlevel.TrioToken,
+def start_server(handler: PeerHandler, listen: str, token: trio.lowlevel.TrioToken,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
-                 workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start listening on `listen` only; returns the server and the bound port."""
+                 workers: int = 16, file_bytes: bool = True) -> tuple[grpc.Server, int]:
+    """Start listening on `listen` only; returns the server and the bound port.
+    file_bytes: whether replicas and reads may move over these calls."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-rpc"),
         interceptors=[security.TokenInterceptor(secret)],
@@ -237,15 +263,18 @@ def start_server(tier: PeerHandler, listen: str, token: trio.lowlevel.TrioToken,
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_PeerServicer_to_server(PeerService(tier, token), server)
+    pb_grpc.add_PeerServicer_to_server(GrpcService(handler, token, file_bytes), server)
     if tls is not None:
         cert, key, ca = tls
         creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                             require_client_auth=ca is not None)
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        port = (server.add_secure_port(listen, creds) if tls is not None
+                else server.add_insecure_port(listen))
+    except RuntimeError:  # its message asks for GRPC_VERBOSITY: say what failed instead
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+        raise OSError(f"--listen {listen}: cannot bind (the port is in use, or the address "
+                      "is not this host's)")
     server.start()
     return server, port

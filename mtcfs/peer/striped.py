@@ -1,7 +1,10 @@
 """Striped restores: a file's blocks from all its live holders at once.
 
 The file's blocks are cut into stripes (runs of a few blocks) in one queue, in
-file order, so readers waiting at the start are served first. Each holder gets
+file order, so readers waiting at the start are served first; a reader that
+waits elsewhere (a ranged read of a large file: a resharded load reads slices)
+moves the queue's head there: the stripe it waits for is taken next, and the
+ones after it, before those the queue held before it. Each holder gets
 a few workers (one data connection each) that take the next stripe off the
 queue: a fast holder takes more of them. A holder whose transfer fails, stalls
 (STALL_TIMEOUT without a byte: a stopped or cut-off host) or sends a block that
@@ -46,8 +49,10 @@ class Striped(Generic[H]):
 
     def __init__(self, fetch: Callable[[H, int, int, Progress], None], blocks: int,
                  workers_per_holder: int, limiter: trio.CapacityLimiter,
-                 name: Callable[[H], str] = str, stripe: int = STRIPE_BLOCKS) -> None:
+                 name: Callable[[H], str] = str, stripe: int = STRIPE_BLOCKS,
+                 focus: Callable[[], int | None] = lambda: None) -> None:
         self.fetch = fetch
+        self.focus = focus  # the block a reader waits at (None: none waits)
         self.todo: deque[tuple[int, int]] = deque(
             (i, min(i + stripe, blocks)) for i in range(0, blocks, stripe))
         self.workers_per_holder = max(1, workers_per_holder)
@@ -71,10 +76,21 @@ class Striped(Generic[H]):
                         n.start_soon(self._worker, h)
         return {n: b for n, b in self.bytes_by.items() if b}
 
+    def _take(self) -> tuple[int, int]:
+        """The next stripe: the first at or after the block a reader waits at, else
+        the queue's head."""
+        at = self.focus()
+        if at is not None and self.todo[0][1] <= at:
+            for i, stripe in enumerate(self.todo):
+                if stripe[1] > at:
+                    del self.todo[i]
+                    return stripe
+        return self.todo.popleft()
+
     async def _worker(self, h: H) -> None:
         name = self.name(h)
         while self.todo and name not in self.errors:
-            first, last = self.todo.popleft()
+            first, last = self._take()
             progress = Progress(first)
             try:
                 await trio.to_thread.run_sync(self.fetch, h, first, last, progress,

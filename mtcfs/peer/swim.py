@@ -97,6 +97,10 @@ class SwimConfig:
     dead_probe_interval: float = 2.0
     max_health: int = 8  # local health score ceiling: timeouts stretch up to 9x
     late_tick: float = 0.25  # tick() this much later than TICK: this host is the slow one
+    probe_timeout: float = 0.0  # no ack this long after a probe: SUSPECT (0: the period)
+
+    def probe_deadline(self) -> float:
+        return self.probe_timeout or self.period
 
     def suspicion_timeout(self, n: int) -> float:
         return self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.period
@@ -133,6 +137,7 @@ class _Probe:
     sent: float
     deadline: float  # suspect the target if no ack by then
     indirect_sent: bool = False
+    evidence: bool = False  # word from outside that it is gone: no ack means dead at once
 
 
 @dataclass(slots=True)
@@ -192,10 +197,14 @@ class Swim:
         self._partner_turn = 0
         self._next_probe = now + rng.random() * self.config.period
         self._next_partner_probe = now + rng.random() * self.config.partner_period
+        if self.config.partner_period == self.config.period:
+            # Both probes in one tick (a driver that sleeps between timers wakes once).
+            self._next_partner_probe = self._next_probe
         self._next_gossip = now
         self._next_dead_probe = now + self.config.dead_probe_interval
         self.health = 0  # local health score (Lifeguard): 0 is healthy
         self._last_tick = now
+        self._planned = -1.0  # when the driver said it would tick next (see next_due)
 
     # -- what the rest of the host asks ----------------------------------------------
 
@@ -256,7 +265,21 @@ class Swim:
         """Probe `node` now (a call to it failed), unless a probe of it is under way."""
         if self.state_of(node) != ALIVE or any(p.target == node for p in self._probes.values()):
             return []
-        return [self._ping(node, now, self.config.period)]
+        return [self._ping(node, now, self.config.probe_deadline())]
+
+    def gone(self, node: str, now: float) -> Out:
+        """Word from outside SWIM that `node` is gone (Kubernetes deleted its pod, its
+        node was lost). Evidence, never the verdict: `node` is probed at once, and
+        declared dead when that probe (indirect pings included) gets no ack by its
+        deadline, without the suspicion period; a node that answers stays."""
+        m = self.members.get(node)
+        if m is None or m.state == DEAD:
+            return []
+        for p in self._probes.values():
+            if p.target == node:
+                p.evidence = True
+                return []
+        return [self._ping(node, now, self.config.probe_deadline(), evidence=True)]
 
     def hello(self, node: str) -> Out:
         """A plain ping (no probe: no suspicion follows): the receiver learns this host
@@ -271,10 +294,34 @@ class Swim:
     def _unhealthy(self) -> None:
         self.health = min(self.config.max_health, self.health + 1)
 
+    def next_due(self, plan: bool = False) -> float:
+        """The earliest time at which tick() has something to do: a driver that sleeps
+        until then (or until a message comes) instead of ticking every TICK wakes only
+        for work. plan=True: the driver sleeps until then, so a tick that comes much
+        later than this (rather than than TICK after the last) is late."""
+        cfg = self.config
+        due = min(self._next_probe, self._next_partner_probe)
+        if self._dead:
+            due = min(due, self._next_dead_probe)
+        if self._news:
+            due = min(due, self._next_gossip)
+        scale = self._scale()
+        for p in self._probes.values():
+            due = min(due, p.deadline if p.indirect_sent
+                      else min(p.deadline, p.sent + cfg.ack_timeout * scale))
+        for r in self._relays.values():
+            due = min(due, r.expires)
+        for node in self._suspects:
+            due = min(due, self.members[node].suspect_deadline)
+        if plan:
+            self._planned = due
+        return due
+
     def tick(self, now: float) -> Out:
         out: Out = []
         cfg = self.config
-        if now - self._last_tick > TICK + cfg.late_tick:
+        expected = self._planned if self._planned > self._last_tick else self._last_tick + TICK
+        if now - expected > cfg.late_tick:
             self.counters.late_ticks += 1
             self._unhealthy()
         self._last_tick = now
@@ -283,12 +330,12 @@ class Swim:
             self._next_probe = now + cfg.period * scale
             target = self._next_target()
             if target:
-                out.append(self._ping(target, now, cfg.period * scale))
+                out.append(self._ping(target, now, cfg.probe_deadline() * scale))
         if now >= self._next_partner_probe:
             self._next_partner_probe = now + cfg.partner_period * scale
             target = self._next_partner()
             if target and not any(p.target == target for p in self._probes.values()):
-                out.append(self._ping(target, now, cfg.period * scale))
+                out.append(self._ping(target, now, cfg.probe_deadline() * scale))
         if now >= self._next_dead_probe:
             self._next_dead_probe = now + cfg.dead_probe_interval
             if self._dead:
@@ -298,7 +345,11 @@ class Swim:
         for seq, p in list(self._probes.items()):
             if now >= p.deadline:
                 del self._probes[seq]
-                self._suspect(p.target, now)
+                m = self.members.get(p.target)
+                if p.evidence and m is not None and m.state != DEAD:
+                    self._learn(Update(p.target, DEAD, m.incarnation), now)
+                else:
+                    self._suspect(p.target, now)
             elif not p.indirect_sent and now >= p.sent + cfg.ack_timeout * scale:
                 p.indirect_sent = True
                 out += self._ping_req(seq, p.target)
@@ -336,9 +387,10 @@ class Swim:
         self._seq += 1
         return self._seq
 
-    def _ping(self, target: str, now: float, within: float) -> tuple[str, Message]:
+    def _ping(self, target: str, now: float, within: float,
+              evidence: bool = False) -> tuple[str, Message]:
         seq = self._next_seq()
-        self._probes[seq] = _Probe(target, now, now + within)
+        self._probes[seq] = _Probe(target, now, now + within, evidence=evidence)
         self.counters.probes += 1
         return self._send(target, Message(PING, seq=seq))
 

@@ -17,16 +17,19 @@ from dataclasses import dataclass
 
 import trio
 
-from mtcfs.events import Listener
+from mtcfs.core.copies import Copies
+from mtcfs.core.events import Listener
+from mtcfs.core.namespace import CLOSED, ROOT, Inode, Namespace
+from mtcfs.core.versions import Versions
 from mtcfs.fs.kernel import KernelCache
-from mtcfs.fs.namespace import CLOSED, ROOT, Inode, Namespace
-from mtcfs.lifecycle.copies import Copies
+from mtcfs.lifecycle.withdrawal import SUFFIX as WITHDRAWN_SUFFIX
 from mtcfs.tiers.durable import DurableError, DurableTier, ObjectInfo
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH = 30.0
 NAME_MAX = 255
+_WITHDRAWN = WITHDRAWN_SUFFIX.encode()
 
 
 @dataclass
@@ -38,21 +41,23 @@ class Stats:
 
 
 class BucketListing:
-    def __init__(self, ns: Namespace, tier: DurableTier, copies: Copies, events: Listener,
-                 kernel: KernelCache, refresh: float = DEFAULT_REFRESH) -> None:
+    def __init__(self, ns: Namespace, tier: DurableTier, copies: Copies, versions: Versions,
+                 events: Listener, kernel: KernelCache, refresh: float = DEFAULT_REFRESH
+                 ) -> None:
         self.ns = ns
         self.tier = tier
         self.copies = copies
+        self.versions = versions
         self.events = events
         self.kernel = kernel
         self.refresh = refresh
         self.stats = Stats()
+        self._made: set[int] = set()  # names this merge made (see _stale_withdrawal_name)
 
     # -- the tree ----------------------------------------------------------------
 
     def listing(self) -> list[ObjectInfo]:
         """Every object under the prefix (blocking: at start-up, or in a worker thread)."""
-        assert self.tier is not None
         objects = list(self.tier.list(""))
         self.stats.listed_objects = len(objects)
         self.stats.last_refresh = time.time()
@@ -66,6 +71,7 @@ class BucketListing:
         """Bring the namespace in line with a listing; returns files added or updated."""
         changed = 0
         seen: set[int] = set()
+        self._made = set()
         with self.ns.store.transaction():
             for obj in objects:
                 if obj.key in pending_deletes or obj.key.endswith("/"):
@@ -88,7 +94,10 @@ class BucketListing:
         for comp in parts[:-1]:
             child = self.ns.child(d, comp)
             if child is None:
+                if self._stale_withdrawal_name(d, comp, obj.key):
+                    return None
                 child = self.ns.new_inode(d, comp, stat.S_IFDIR | 0o755, 0, 0)
+                self._made.add(child.ino)
             elif not child.is_dir:
                 log.warning("skipping bucket object %s: %s is a file here", obj.key,
                             self.ns.path_of(child))
@@ -96,8 +105,11 @@ class BucketListing:
             d = child
         node = self.ns.child(d, parts[-1])
         if node is None:
+            if self._stale_withdrawal_name(d, parts[-1], obj.key):
+                return None
             node = self.ns.new_inode(d, parts[-1], stat.S_IFREG | 0o644, 0, 0,
                                      global_id=object_guid(obj))
+            self._made.add(node.ino)
             self._take_remote(node, obj)
             self.ns.persist(node)
             return node
@@ -118,6 +130,25 @@ class BucketListing:
         self.ns.persist(node)
         return node
 
+    def _stale_withdrawal_name(self, d: Inode, name: bytes, key: str) -> bool:
+        """An object under a step's other name, which this host already knew (not made
+        by this merge): a withdrawn step's (or marker's) old name, or a reinstated
+        one's withdrawn name. Its object is one whose delete after the server-side
+        copy is still pending on the host that renamed it (GCS was down). Merged, it
+        would bring back a stale copy of the step beside the real one on every host
+        (a 30-minute chaos run: a restarted host's listing did, and the hosts
+        disagreed on the step)."""
+        if name.endswith(_WITHDRAWN):
+            other = self.ns.child(d, name[:-len(_WITHDRAWN)])
+        else:
+            other = self.ns.child(d, name + _WITHDRAWN)
+        if other is None or other.ino in self._made:
+            return False
+        log.debug("not merging bucket object %s: %s is known here by its other name (a "
+                 "withdrawal or reinstatement whose old objects are not deleted yet)", key,
+                 self.ns.path_of(other))
+        return True
+
     def _replace(self, d: Inode, name: bytes, old: Inode, obj: ObjectInfo) -> Inode:
         """A newer object written elsewhere replaces our persisted copy: a new inode
         (with the writeback cache the kernel trusts its own size of a file it has
@@ -126,18 +157,12 @@ class BucketListing:
         for parent, gone in names:
             self.kernel.entry(parent.ino, gone)
         self.events.remote_removed(old)  # its data, its fetch and its inode go
-        version = old.version
-        self._take_remote(node, obj)
-        node.version = version + 1
-        self.copies.in_bucket(node, obj.generation)
+        self._take_remote(node, obj, replaces=old.version)
         self.ns.persist(node)
         return node
 
-    def _take_remote(self, node: Inode, obj: ObjectInfo) -> None:
-        node.state = CLOSED
-        node.size = obj.size
-        node.crc32c = obj.crc32c
-        node.version = max(node.version, 1)
+    def _take_remote(self, node: Inode, obj: ObjectInfo, replaces: int = 0) -> None:
+        self.versions.from_bucket(node, obj.size, obj.crc32c, replaces)
         node.mtime_ns = node.ctime_ns = int(obj.updated * 1e9)
         self.copies.elsewhere_only(node)
         self.copies.in_bucket(node, obj.generation)
@@ -156,7 +181,6 @@ class BucketListing:
                 self.events.remote_removed(node)
 
     async def refresh_loop(self, pending_deletes: set[str]) -> None:
-        assert self.tier is not None
         while True:
             await trio.sleep(self.refresh)
             try:

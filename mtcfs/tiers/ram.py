@@ -15,10 +15,11 @@ tmpfs of its own, mounted with size=--ram-size, and the kernel enforces the
 budget (`own_tmpfs`). What is used is then what that tmpfs says, or what the
 daemon has reserved (replicas and fetches about to arrive), whichever is more.
 That tmpfs backs files with transparent huge pages where they fit within the
-file (huge=within_size): a 2 MiB page per fault instead of 512 small ones makes
-writing into it, and reading from it, about twice as cheap (docs/benchmarks.md);
-small files and the tail of a file keep small pages, so none is rounded up (a
-write into a hole of a file sized beforehand takes its whole 2 MiB page).
+file (huge=within_size; --huge-pages may turn them off, see mtcfs.tiers.huge_pages):
+a 2 MiB page per fault instead of 512 small ones makes writing into it, and
+reading from it, about twice as cheap (docs/benchmarks.md); small files and the
+tail of a file keep small pages, so none is rounded up (a write into a hole of a
+file sized beforehand takes its whole 2 MiB page).
 Everything the budget covers lives in that one directory (replicas being
 received in `.incoming`, data being deleted in `.trash`), so renames between
 them never cross filesystems.
@@ -27,6 +28,7 @@ them never cross filesystems.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -36,8 +38,18 @@ import subprocess
 import trio
 
 from mtcfs.mountinfo import entry_at
+from mtcfs.tiers.huge_pages import HugePages
 
 log = logging.getLogger(__name__)
+
+# fallocate(2) modes: the ones tmpfs has (besides 0, which allocates and may extend).
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(None, use_errno=True)  # os has posix_fallocate only (mode 0)
+_fallocate = _libc.fallocate64
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate.restype = ctypes.c_int
 
 
 class RamTierFull(OSError):
@@ -47,16 +59,20 @@ class RamTierFull(OSError):
 
 
 class RamTier:
-    def __init__(self, root: str, capacity: int, own_tmpfs: bool = False) -> None:
+    def __init__(self, root: str, capacity: int, own_tmpfs: bool = False,
+                 huge_pages: HugePages | None = None) -> None:
         self.root = root
         self.data_dir = os.path.join(root, "data")
         self.incoming_dir = os.path.join(self.data_dir, ".incoming")  # replicas being received
         self.trash_dir = os.path.join(self.data_dir, ".trash")
         self.own_tmpfs = own_tmpfs
+        self.huge_pages = huge_pages or HugePages("always")
+        self.mounted_tmpfs = False  # this daemon mounted it (none was there to re-adopt)
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         _drop_old_layout(root)
         if own_tmpfs:
-            mount_tmpfs(self.data_dir, capacity)
+            self.mounted_tmpfs = mount_tmpfs(self.data_dir, capacity, self.huge_pages,
+                                             os.path.join(root, ".huge-probe"))
         for d in (self.incoming_dir, self.trash_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
         self._incoming_seq = 0
@@ -65,6 +81,8 @@ class RamTier:
         self.capacity = capacity
         self._used = 0  # what the daemon has charged: written through it, or reserved
         self._charged: dict[int, int] = {}
+        # Where blocks allocated past the end of a file (fallocate KEEP_SIZE) may end.
+        self._allocated_end: dict[int, int] = {}
         self._fds: dict[int, list[int]] = {}  # ino -> [fd, refcount]
         self.enospc_count = 0  # writes refused (counted by the filesystem)
         self.refused_incoming = 0  # replicas from peers refused for lack of space
@@ -156,6 +174,7 @@ class RamTier:
         self._to_trash(ino)
         self._set_charge(ino, 0)
         self._charged.pop(ino, None)
+        self._allocated_end.pop(ino, None)
 
     def _to_trash(self, ino: int) -> None:
         self._trash_seq += 1
@@ -181,6 +200,8 @@ class RamTier:
 
     def write(self, ino: int, fd: int, off: int, buf: bytes, cur_size: int) -> int:
         grow = off + len(buf) - max(cur_size, off)
+        if grow > 0 and self._allocated_end:  # blocks fallocate charged already
+            grow = off + len(buf) - max(cur_size, off, self._allocated_end.get(ino, 0))
         if grow > 0:
             free = self.capacity - self.used
             if grow > free:
@@ -198,11 +219,35 @@ class RamTier:
         os.ftruncate(fd, size)
         self.reconcile(ino)
 
+    def room_to_allocate(self, fd: int, off: int, end: int) -> int:
+        """What allocating [off, end) of the file may take: the ranges tmpfs holds no data
+        for (blocks allocated but never written count too: this errs on the side of
+        asking for room). Raises RamTierFull unless the budget holds it."""
+        need = _holes(fd, off, end)
+        free = self.capacity - self.used
+        if need > free:
+            raise RamTierFull(need, free)
+        return need
+
+    async def fallocate(self, ino: int, fd: int, mode: int, off: int, length: int,
+                        reserve: int = 0) -> None:
+        """fallocate(2) on the file's data (in a worker thread: a large allocation takes a
+        while), `reserve` bytes charged meanwhile; then charge the file for what tmpfs
+        holds. Raises OSError."""
+        if mode & FALLOC_FL_KEEP_SIZE and not mode & FALLOC_FL_PUNCH_HOLE:
+            self._allocated_end[ino] = max(self._allocated_end.get(ino, 0), off + length)
+        self._set_charge(ino, self.charged(ino) + reserve)
+        try:
+            await trio.to_thread.run_sync(_fallocate_fd, fd, mode, off, length)
+        finally:
+            self.reconcile(ino)
+
     def reconcile(self, ino: int) -> int:
         """Charge the file for the blocks tmpfs really holds."""
         try:
             st = os.stat(self.path(ino))
-            actual = min(st.st_blocks * 512, max(st.st_size, 0) + 4096)
+            end = max(st.st_size, self._allocated_end.get(ino, 0))
+            actual = min(st.st_blocks * 512, end + 4096)
         except FileNotFoundError:
             actual = 0
         self._set_charge(ino, actual)
@@ -296,6 +341,33 @@ class RamTier:
         self._fds.clear()
 
 
+def _fallocate_fd(fd: int, mode: int, off: int, length: int) -> None:
+    if _fallocate(fd, mode, off, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _holes(fd: int, off: int, end: int) -> int:
+    """Bytes of [off, end) that tmpfs reports as holes (SEEK_DATA/SEEK_HOLE), or past
+    the end of the file."""
+    size = os.fstat(fd).st_size
+    holes, pos = 0, off
+    while pos < min(end, size):
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            data = size  # only a hole from pos to the end
+        data = min(data, end, size)
+        holes += data - pos
+        if data >= min(end, size):
+            pos = data
+            break
+        pos = os.lseek(fd, data, os.SEEK_HOLE)
+    return holes + max(0, end - max(pos, size))
+
+
 def _drop_old_layout(root: str) -> None:
     """Before replicas and trash moved into data/, they lived beside it: both only
     ever hold leftovers (emptied at start-up)."""
@@ -304,43 +376,48 @@ def _drop_old_layout(root: str) -> None:
             shutil.rmtree(os.path.join(root, name))
 
 
-HUGE = "within_size"  # huge pages only where the file covers them whole
-
-
-def mount_tmpfs(path: str, size: int) -> None:
+def mount_tmpfs(path: str, size: int, huge_pages: HugePages, scratch: str) -> bool:
     """Make `path` a tmpfs of `size` bytes: mount one, or resize the one a previous
     daemon mounted (a restarted daemon re-adopts what it holds). Data found in the
     directory before it was a mount (an earlier daemon without passthrough) is
-    moved into the new tmpfs first. Needs CAP_SYS_ADMIN."""
+    moved into the new tmpfs first. Needs CAP_SYS_ADMIN. Returns True if it mounted
+    a new one. `scratch`: where the huge pages' probe may mount its own."""
     e = entry_at(path)
     opts = f"size={size},mode=0700"
+    huge = huge_pages.mount_option(scratch)
     if e is not None and e.fstype == "tmpfs":
-        _mount_huge(["-o", f"remount,{opts}", path])
-        return
+        _mount_huge(["-o", f"remount,{opts}", path], huge, huge_pages)
+        return False
     old = [n for n in os.listdir(path)]
     aside = ""
     if old:
         aside = path + ".premount"
         os.rename(path, aside)
         os.makedirs(path, mode=0o700)
-    _mount_huge(["-t", "tmpfs", "-o", opts, "mtcfs-ram", path])
+    _mount_huge(["-t", "tmpfs", "-o", opts, "mtcfs-ram", path], huge, huge_pages)
     if aside:
         for name in os.listdir(aside):  # sparse-aware copy: cp keeps the holes
             subprocess.run(["cp", "-a", "--sparse=always", os.path.join(aside, name), path],
                            check=True, capture_output=True)
         shutil.rmtree(aside)
         log.info("moved %d data files into the RAM tier's tmpfs %s", len(old), path)
+    return True
 
 
-def _mount_huge(args: list[str]) -> None:
-    """mount(8) with huge=within_size added to the options (args: ..., "-o", opts, ...);
-    without it where the kernel has no huge pages for tmpfs."""
+def _mount_huge(args: list[str], huge: str, huge_pages: HugePages) -> None:
+    """mount(8) with huge=`huge` added to the options (args: ..., "-o", opts, ...);
+    with huge=never where the kernel has no huge pages for tmpfs. Always explicit:
+    a remount keeps the huge= of the mount it changes otherwise."""
     i = args.index("-o") + 1
     try:
-        _mount([*args[:i], args[i] + f",huge={HUGE}", *args[i + 1:]])
+        _mount([*args[:i], args[i] + f",huge={huge}", *args[i + 1:]])
     except OSError as e:
+        if huge == "never":
+            raise
         log.info("RAM tier tmpfs without huge pages (%s)", e)
-        _mount(args)
+        huge = "never"
+        _mount([*args[:i], args[i] + ",huge=never", *args[i + 1:]])
+    huge_pages.mounted(huge)
 
 
 def _mount(args: list[str]) -> None:

@@ -20,9 +20,9 @@ import trio
 
 from mtcfs.assembly import Mount, build, open_ram
 from mtcfs.config import build_options
+from mtcfs.core.store import MetaStore
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.passthrough import Passthrough
-from mtcfs.meta.store import MetaStore
 
 from support.inprocess import Host
 

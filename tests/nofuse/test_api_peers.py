@@ -6,21 +6,17 @@ holder, verified; replicas are counted by both."""
 from __future__ import annotations
 
 import os
-import socket
 
 import google_crc32c
 import pytest
 import trio
 
 from support.inprocess import Host, until
+from support.ports import free_port
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -71,10 +67,10 @@ async def test_renames_and_removals_merge(make_host) -> None:
     a.mkdir("d")
     await a.write_file("d/f", b"one", fsync=True)
     await b.rename("d/f", "d/g")
-    await b.fs.fsyncdir(b.node("d"))  # every entry of d is on a when this returns
+    await b.fs.names.fsyncdir(b.node("d"))  # every entry of d is on a when this returns
     assert a.listdir("d") == ["g"] and await a.read_file("d/g") == b"one"
     a.unlink("d/g")
-    await a.fs.fsyncdir(a.node("d"))
+    await a.fs.names.fsyncdir(a.node("d"))
     assert b.listdir("d") == []
 
 
@@ -84,8 +80,8 @@ async def test_concurrent_creates_of_one_name_converge(make_host) -> None:
     async with trio.open_nursery() as n:
         n.start_soon(a.write_file, "x", b"from a")
         n.start_soon(b.write_file, "x", b"from b")
-    await a.fs.fsyncdir(a.node(""))
-    await b.fs.fsyncdir(b.node(""))
+    await a.fs.names.fsyncdir(a.node(""))
+    await b.fs.names.fsyncdir(b.node(""))
     await until(lambda: a.state("x")["crc32c"] == b.state("x")["crc32c"], what="one x")
     assert await a.read_file("x") == await b.read_file("x")
     assert a.listdir() == b.listdir() == ["x"]

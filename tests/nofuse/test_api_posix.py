@@ -45,9 +45,9 @@ async def test_names(make_host) -> None:
     h.mkdir("x" * 255)
     await expect(errno.EEXIST, h.mkdir, "x" * 255)
     await expect(errno.ENOENT, h.node, "nope")
-    await expect(errno.EINVAL, h.fs.mkdir, root.ino, b"a/b", 0o755, 0, 0)
+    await expect(errno.EINVAL, h.fs.names.mkdir, root.ino, b"a/b", 0o755, 0, 0)
     await h.write_file("file", b"x")
-    await expect(errno.ENOTDIR, h.fs.lookup, h.node("file").ino, b"sub")
+    await expect(errno.ENOTDIR, h.fs.names.lookup, h.node("file").ino, b"sub")
 
 
 async def test_directories(make_host) -> None:
@@ -63,10 +63,10 @@ async def test_directories(make_host) -> None:
     # A directory handle lists what was there at opendir, minus what went since.
     for i in range(5):
         await h.write_file(f"a/{i}", b"")
-    fh = h.fs.opendir(h.node("a"))
+    fh = h.fs.names.opendir(h.node("a"))
     h.unlink("a/3")
-    names = [n.decode() for _, n, _ in h.fs.readdir(fh, 0)]
-    h.fs.releasedir(fh)
+    names = [n.decode() for _, n, _ in h.fs.names.readdir(fh, 0)]
+    h.fs.names.releasedir(fh)
     assert names == ["0", "1", "2", "4"]
 
 
@@ -116,15 +116,15 @@ async def test_hard_links(make_host) -> None:
 async def test_device_nodes_fifos_symlinks(make_host) -> None:
     h: Host = await make_host()
     root = h.node("").ino
-    dev = h.fs.mknod(root, b"null", stat.S_IFCHR | 0o600, os.makedev(1, 3), 0, 0)
+    dev = h.fs.names.mknod(root, b"null", stat.S_IFCHR | 0o600, os.makedev(1, 3), 0, 0)
     assert stat.S_ISCHR(dev.mode) and dev.rdev == os.makedev(1, 3)
-    fifo = h.fs.mknod(root, b"fifo", stat.S_IFIFO | 0o600, 0, 0, 0)
+    fifo = h.fs.names.mknod(root, b"fifo", stat.S_IFIFO | 0o600, 0, 0, 0)
     assert stat.S_ISFIFO(fifo.mode)
     await expect(errno.EINVAL, h.fs.open, fifo, os.O_RDONLY)  # inert: never served as data
     h.symlink("l", "target/that/does/not/exist")
-    assert h.fs.readlink(h.node("l")) == b"target/that/does/not/exist"
+    assert h.fs.names.readlink(h.node("l")) == b"target/that/does/not/exist"
     await expect(errno.ENAMETOOLONG, h.symlink, "l2", "x" * 4096)
-    reg = h.fs.mknod(root, b"reg", stat.S_IFREG | 0o644, 0, 0, 0)
+    reg = h.fs.names.mknod(root, b"reg", stat.S_IFREG | 0o644, 0, 0, 0)
     assert reg.size == 0 and h.state("reg")["state"] == "closed"
 
 
@@ -173,12 +173,12 @@ async def test_set_id_bits_cleared_like_linux(make_host) -> None:
 async def test_xattrs(make_host) -> None:
     h: Host = await make_host()
     node = await h.write_file("f", b"x")
-    h.fs.setxattr(node, b"user.k", b"v")
-    assert h.fs.getxattr(node, b"user.k") == b"v"
-    assert h.fs.listxattr(node) == [b"user.k"]  # user.mtcfs.* are virtual, never listed
-    await expect(errno.EPERM, h.fs.setxattr, node, b"user.mtcfs.state", b"x")
-    await expect(errno.EOPNOTSUPP, h.fs.setxattr, node, b"other.k", b"v")
-    await expect(errno.E2BIG, h.fs.setxattr, node, b"user.big", bytes(65537))
-    await expect(errno.ENODATA, h.fs.getxattr, node, b"user.none")
-    h.fs.removexattr(node, b"user.k")
-    await expect(errno.ENODATA, h.fs.removexattr, node, b"user.k")
+    h.fs.xattrs.setxattr(node, b"user.k", b"v")
+    assert h.fs.xattrs.getxattr(node, b"user.k") == b"v"
+    assert h.fs.xattrs.listxattr(node) == [b"user.k"]  # user.mtcfs.* are virtual, never listed
+    await expect(errno.EPERM, h.fs.xattrs.setxattr, node, b"user.mtcfs.state", b"x")
+    await expect(errno.EOPNOTSUPP, h.fs.xattrs.setxattr, node, b"other.k", b"v")
+    await expect(errno.E2BIG, h.fs.xattrs.setxattr, node, b"user.big", bytes(65537))
+    await expect(errno.ENODATA, h.fs.xattrs.getxattr, node, b"user.none")
+    h.fs.xattrs.removexattr(node, b"user.k")
+    await expect(errno.ENODATA, h.fs.xattrs.removexattr, node, b"user.k")

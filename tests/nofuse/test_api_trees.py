@@ -13,8 +13,8 @@ import pytest
 
 from mtcfs.peer import dissemination
 
-from support.gcs_server import free_ports
 from support.inprocess import Host
+from support.ports import free_port
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
@@ -26,7 +26,7 @@ async def cluster(make_host, monkeypatch) -> list[Host]:
     splits the other five into two runs, so its children are the 2nd (range: 2nd
     and 3rd) and the 4th (4th to 6th)."""
     monkeypatch.setattr(dissemination, "DEGREE", 2)
-    addrs = sorted(f"127.0.0.1:{p}" for p in free_ports(HOSTS))
+    addrs = sorted(f"127.0.0.1:{free_port()}" for _ in range(HOSTS))
     hosts = []
     for i, addr in enumerate(addrs):
         hosts.append(await make_host(

@@ -837,6 +837,8 @@ class Chaos:
                 p, du = st["peers"], st["durable"]
                 if p["live_peers"] < self.cfg.hosts - 1:
                     why[d.node_id] = f"{p['live_peers']} live peers"
+                elif p.get("catch_ups", {}).get("pending") or p.get("catch_ups", {}).get("owed"):
+                    why[d.node_id] = f"catching up: {p['catch_ups']}"
                 elif not p["quiet"]:
                     why[d.node_id] = (f"replication not quiet ({p.get('replication_pending_bytes')}"
                                       " bytes pending)")
@@ -970,58 +972,25 @@ class Chaos:
         lost_files: dict[str, list[str]] = {}
         corrupt_files: dict[str, list[str]] = {}
         for step, info in steps_info.items():
-            final, hidden = cio.step_dir(step), cio.step_dir(step) + cio.WITHDRAWN
-            states = {h: step_state(ds, final, hidden) for h, ds in info.get("dirs", {}).items()}
-            if any(v == "committed+leftover" for v in states.values()):
+            v = judge_step(step, info, len(self.daemons),
+                           cio.expected_files(c.seed, step, c.hosts, c.shards, c.shard_bytes),
+                           withdrawn_views.get(step, {}))
+            for kind, what in v.findings:
+                self.finding(kind, what)
+            lost_files.update(v.lost)
+            corrupt_files.update(v.corrupt)
+            if v.leftover:
                 leftovers.append(step)
-                self.finding("leftover", f"step {step}: a stale {hidden}/ holding only "
-                             f"withdrawn names beside the committed step: {states}")
-                states = {h: v.removesuffix("+leftover") for h, v in states.items()}
-            if len(states) == len(self.daemons) and set(states.values()) == {"committed"}:
-                mode = "committed"
-            elif len(states) == len(self.daemons) and set(states.values()) == {"withdrawn"}:
-                mode = "withdrawn"
-            else:
-                mode = "inconsistent"
-                self.finding("step_inconsistent", f"step {step} is neither committed nor "
-                             f"withdrawn everywhere: {states}")
-            # What mtcfs says it lost (withdrawn steps): their basenames.
-            lost_names = {p.rsplit("/", 1)[1].removesuffix(cio.WITHDRAWN)
-                          for v in withdrawn_views.get(step, {}).values() for p in v}
-            bad = False
-            for name in cio.expected_files(c.seed, step, c.hosts, c.shards, c.shard_bytes):
-                key = f"{final}/{name}"
-                places = [(h, files.get(name) or {"result": "not read"})
-                          for h, files in info["hosts"].items()]
-                if mode != "withdrawn":
-                    places.append(("bucket", info["bucket"].get(name) or {"result": "not read"}))
-                for where, r in places:
-                    at_final = where == "bucket" or r.get("at") == key
-                    if r["result"] == "ok" and (at_final or mode == "withdrawn"):
-                        continue
-                    detail = (f"{where}: {r['result']} {r.get('errname', '')} "
-                              f"{r.get('got', '')}".strip())
-                    if r.get("at") and not at_final:
-                        detail += f" (found at {r['at']})"
-                    if r["result"] == "corrupt":
-                        corrupt_files.setdefault(key, []).append(detail)
-                        bad = True
-                    elif not (mode == "withdrawn" and name in lost_names):
-                        lost_files.setdefault(key, []).append(detail)
-                        bad = True
-            if len(info["hosts"]) < len(self.daemons):
-                bad = True
-            if mode == "withdrawn":
+            if v.mode == "withdrawn":
                 withdrawn.append(step)
-                why = sorted(lost_names)
-                if c.fsync != "local" or not why or bad or not all(
-                        self.was_replaced_after_write(step, n) for n in why):
+                if c.fsync != "local" or not v.lost_names or v.bad or not all(
+                        self.was_replaced_after_write(step, n) for n in v.lost_names):
                     unexplained.append(step)
                     self.finding("withdrawn_unexplained",
-                                 f"step {step} withdrawn (lost {why}) with --fsync {c.fsync}; "
-                                 f"replaced hosts: "
+                                 f"step {step} withdrawn (lost {v.lost_names}) with --fsync "
+                                 f"{c.fsync}; replaced hosts: "
                                  f"{ {f'h{h}': len(t) for h, t in self.replaced_at.items()} }")
-            elif mode == "committed" and not bad:
+            elif v.mode == "committed" and not v.bad:
                 verified.append(step)
             else:
                 broken.append(step)
@@ -1131,6 +1100,68 @@ class Chaos:
             with contextlib.suppress(Exception):
                 self.teardown()
         return result
+
+
+@dataclasses.dataclass
+class StepVerdict:
+    mode: str  # committed | withdrawn | inconsistent
+    bad: bool = False  # a file lost or corrupt somewhere, or a host not read
+    leftover: bool = False  # committed beside a stale withdrawn directory
+    lost_names: list[str] = dataclasses.field(default_factory=list)  # what mtcfs says it lost
+    lost: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    corrupt: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    findings: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+def judge_step(step: int, info: dict[str, Any], hosts: int, expected: Any,
+               withdrawn_views: dict[str, list[str]]) -> StepVerdict:
+    """One committed step after the read-back. `info`: the step's directories per host
+    ("dirs"), what each host's read-back found per file ("hosts": name -> {"result",
+    "at", ...}) and the bucket's ("bucket"); `expected`: the file names the writer
+    wrote; `withdrawn_views`: per host, the paths mtcfs says the step lost. A withdrawn
+    step's intact files count where mtcfs put them (under the withdrawn names, read
+    back intact): only a file mtcfs did not say it lost, missing or unreadable, is
+    lost; a corrupt one is corrupt wherever it is."""
+    final, hidden = cio.step_dir(step), cio.step_dir(step) + cio.WITHDRAWN
+    states = {h: step_state(ds, final, hidden) for h, ds in info.get("dirs", {}).items()}
+    v = StepVerdict(mode="inconsistent")
+    if any(s == "committed+leftover" for s in states.values()):
+        v.leftover = True
+        v.findings.append(("leftover", f"step {step}: a stale {hidden}/ holding only "
+                           f"withdrawn names beside the committed step: {states}"))
+        states = {h: s.removesuffix("+leftover") for h, s in states.items()}
+    if len(states) == hosts and set(states.values()) == {"committed"}:
+        v.mode = "committed"
+    elif len(states) == hosts and set(states.values()) == {"withdrawn"}:
+        v.mode = "withdrawn"
+    else:
+        v.findings.append(("step_inconsistent", f"step {step} is neither committed nor "
+                           f"withdrawn everywhere: {states}"))
+    lost_names = {p.rsplit("/", 1)[1].removesuffix(cio.WITHDRAWN)
+                  for paths in withdrawn_views.values() for p in paths}
+    v.lost_names = sorted(lost_names)
+    for name in expected:
+        key = f"{final}/{name}"
+        places = [(h, files.get(name) or {"result": "not read"})
+                  for h, files in info["hosts"].items()]
+        if v.mode != "withdrawn":
+            places.append(("bucket", info["bucket"].get(name) or {"result": "not read"}))
+        for where, r in places:
+            at_final = where == "bucket" or r.get("at") == key
+            if r["result"] == "ok" and (at_final or v.mode == "withdrawn"):
+                continue
+            detail = f"{where}: {r['result']} {r.get('errname', '')} {r.get('got', '')}".strip()
+            if r.get("at") and not at_final:
+                detail += f" (found at {r['at']})"
+            if r["result"] == "corrupt":
+                v.corrupt.setdefault(key, []).append(detail)
+                v.bad = True
+            elif not (v.mode == "withdrawn" and name in lost_names):
+                v.lost.setdefault(key, []).append(detail)
+                v.bad = True
+    if len(info["hosts"]) < hosts:
+        v.bad = True
+    return v
 
 
 def step_state(dirs: dict[str, Any], final: str, hidden: str) -> str:

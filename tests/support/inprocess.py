@@ -11,8 +11,8 @@ from typing import Any
 import trio
 
 from mtcfs.assembly import Mount
+from mtcfs.core.namespace import ROOT, Inode
 from mtcfs.fs.filesystem import FsError, NeedRoom
-from mtcfs.fs.namespace import ROOT, Inode
 
 
 class Host:
@@ -22,6 +22,7 @@ class Host:
     def __init__(self, mount: Mount, uid: int = 0) -> None:
         self.mount = mount
         self.fs = mount.fs
+        self.names = mount.fs.names
         self.ns = mount.ns
         self.uid = uid
 
@@ -30,7 +31,7 @@ class Host:
     def node(self, path: str) -> Inode:
         node = self.ns.inodes[ROOT]
         for comp in [c for c in path.split("/") if c]:
-            node = self.fs.lookup(node.ino, comp.encode())
+            node = self.names.lookup(node.ino, comp.encode())
         return node
 
     def parent(self, path: str) -> tuple[Inode, bytes]:
@@ -47,17 +48,17 @@ class Host:
 
     def listdir(self, path: str = "") -> list[str]:
         d = self.node(path)
-        fh = self.fs.opendir(d)
+        fh = self.names.opendir(d)
         try:
-            return sorted(name.decode() for _, name, _ in self.fs.readdir(fh, 0))
+            return sorted(name.decode() for _, name, _ in self.names.readdir(fh, 0))
         finally:
-            self.fs.releasedir(fh)
+            self.names.releasedir(fh)
 
     # -- directory operations ---------------------------------------------------------------
 
     def mkdir(self, path: str, mode: int = 0o755) -> Inode:
         p, name = self.parent(path)
-        return self.fs.mkdir(p.ino, name, mode, self.uid, 0)
+        return self.names.mkdir(p.ino, name, mode, self.uid, 0)
 
     def makedirs(self, path: str) -> None:
         parts = [c for c in path.split("/") if c]
@@ -80,11 +81,11 @@ class Host:
 
     def link(self, src: str, dst: str) -> Inode:
         p, name = self.parent(dst)
-        return self.fs.link(self.node(src), p.ino, name)
+        return self.names.link(self.node(src), p.ino, name)
 
     def symlink(self, path: str, target: str) -> Inode:
         p, name = self.parent(path)
-        return self.fs.symlink(p.ino, name, target.encode(), self.uid, 0)
+        return self.names.symlink(p.ino, name, target.encode(), self.uid, 0)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class Host:
             await self.close(fh)
 
     def state(self, path: str) -> dict[str, Any]:
-        return self.fs.state_of(self.node(path))
+        return self.mount.view.state_of(self.node(path))
 
     def mode(self, path: str) -> int:
         return stat.S_IMODE(self.node(path).mode)

@@ -10,8 +10,14 @@ ignores status changes, /status only changes status), metadata.generation
 (bumped when anything but metadata/status changes), deletion with finalizers
 (deletionTimestamp first, removal when the last finalizer goes), and watch
 (newline-delimited events after a resourceVersion, closed after
-timeoutSeconds). There is no admission, no defaulting, no garbage collector
+timeoutSeconds), and the immutability of the CSIDriver fields that are
+immutable in Kubernetes (422). There is no admission, no defaulting, no garbage collector
 and no workload controllers: a test that wants a DaemonSet's status sets it.
+
+Authorization is off unless a test sets `authorize` (Rbac below evaluates
+Roles/ClusterRoles the way the RBAC authorizer does: verb, apiGroup,
+resource[/subresource], resourceNames, namespace); every request's
+(verb, group, resource, namespace, name) is recorded in `calls`.
 
 Why not kmock (PyPI): its emulator merges PUT bodies instead of replacing,
 ignores label selectors and resourceVersions (so no optimistic concurrency
@@ -31,10 +37,21 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import yaml
+
 Obj = dict[str, Any]
+# (verb, api group, resource or resource/subresource, namespace, name)
+Call = tuple[str, str, str, str, str]
+
+# Spec fields the real API server refuses to change (422 Invalid on update).
+IMMUTABLE: dict[tuple[str, str], tuple[str, ...]] = {
+    ("storage.k8s.io", "csidrivers"): ("attachRequired", "volumeLifecycleModes",
+                                       "fsGroupPolicy"),
+}
 
 # (group, plural) -> (kind, namespaced, has a status subresource)
 RESOURCES: dict[tuple[str, str], tuple[str, bool, bool]] = {
@@ -119,6 +136,9 @@ class FakeApiServer:
         self.objects: dict[tuple[str, str, str, str], Obj] = {}  # (group, plural, ns, name)
         self.log: list[tuple[int, str, str, Obj]] = []  # (rv, type, group/plural, object)
         self.requests = 0
+        self.calls: list[Call] = []
+        self.denied: list[Call] = []
+        self.authorize: Any = None  # Callable[[Call], bool] | None
         self._rv = itertools.count(1)
         self._cond = threading.Condition()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -158,6 +178,13 @@ class FakeApiServer:
             return [copy.deepcopy(o) for (g, p, _, _), o in sorted(self.objects.items())
                     if (g, p) == (group, plural)]
 
+    def remove(self, group: str, plural: str, name: str, ns: str = "") -> None:
+        """Delete an object as the system would (the kubelet, the node controller):
+        no checks, finalizers honoured as a DELETE would."""
+        with self._cond:
+            key = (group, plural, ns, name)
+            self._delete(key, self.objects[key])
+
     def set_status(self, group: str, plural: str, name: str, ns: str, status: Obj) -> None:
         with self._cond:
             obj = self.objects[(group, plural, ns, name)]
@@ -189,6 +216,17 @@ class FakeApiServer:
         kind, namespaced, has_status = RESOURCES[(group, plural)]
         if not namespaced:
             ns = ""
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch",
+                "DELETE": "delete"}.get(method, "get")
+        if method == "GET" and name is None:
+            verb = "watch" if query.get("watch") in ("true", "1") else "list"
+        call = (verb, group, f"{plural}/{sub}" if sub else plural, ns, name or "")
+        with self._cond:
+            self.calls.append(call)
+            if self.authorize is not None and not self.authorize(call):
+                self.denied.append(call)
+                raise ApiError(403, "Forbidden", f"{verb} {plural} {name or ''} in "
+                               f"namespace {ns!r} is forbidden")
         with self._cond:
             self.requests += 1
             if method == "GET" and name is None:
@@ -252,6 +290,9 @@ class FakeApiServer:
             obj["status"] = new.get("status")
         else:
             obj = new
+            for f in IMMUTABLE.get(key[:2], ()):
+                if (new.get("spec") or {}).get(f) != (cur.get("spec") or {}).get(f):
+                    raise ApiError(422, "Invalid", f"spec.{f}: field is immutable")
             if has_status:
                 obj["status"] = copy.deepcopy(cur.get("status"))
             meta = obj.setdefault("metadata", {})
@@ -359,6 +400,28 @@ class FakeApiServer:
         return Handler
 
 
+class Rbac:
+    """Allows a call when one rule of the given Roles (in their namespace) or
+    ClusterRoles (anywhere) matches it. As in Kubernetes, a rule with
+    resourceNames never matches create, list or watch (they name no object)."""
+
+    def __init__(self, roles: list[Obj]) -> None:
+        self.roles = roles
+
+    def __call__(self, call: Call) -> bool:
+        verb, group, resource, ns, name = call
+        for role in self.roles:
+            if role["kind"] == "Role" and role["metadata"].get("namespace") != ns:
+                continue
+            for rule in role.get("rules") or []:
+                names = rule.get("resourceNames")
+                if (group in rule.get("apiGroups", []) and resource in rule.get("resources", [])
+                        and (verb in rule.get("verbs", []) or "*" in rule.get("verbs", []))
+                        and (not names or (name and name in names))):
+                    return True
+        return False
+
+
 @contextmanager
 def fake_api() -> Iterator[FakeApiServer]:
     srv = FakeApiServer().start()
@@ -366,3 +429,12 @@ def fake_api() -> Iterator[FakeApiServer]:
         yield srv
     finally:
         srv.stop()
+
+
+RBAC_YAML = Path(__file__).resolve().parents[2] / "deploy" / "base" / "rbac.yaml"
+
+
+def shipped(kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    """Objects of deploy/base/rbac.yaml (namespaced ones are in mtcfs-system there)."""
+    return [d for d in yaml.safe_load_all(RBAC_YAML.read_text())
+            if d and d["kind"] == kind and name in (None, d["metadata"]["name"])]

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ import google_crc32c
 
 from mtcfs import control
 from mtcfs.config import mount_entry
+
+from support import ports
 
 MTCFS = [sys.executable, "-m", "mtcfs"]
 
@@ -143,7 +144,7 @@ class MtcfsMount:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mtcfs exited with {self.proc.returncode}:\n{self.log()}")
-            if mount_entry(str(self.path)) is not None:
+            if mount_entry(str(self.path)) is not None and self._started():
                 try:
                     os.getxattr(self.path, "user.mtcfs.control")
                     return self
@@ -151,6 +152,15 @@ class MtcfsMount:
                     pass
             time.sleep(0.05)
         raise TimeoutError(f"mount did not come up:\n{self.log()}")
+
+    def _started(self) -> bool:
+        """The daemon finished starting (data path chosen: passthrough or not): it
+        writes daemon.json, with its pid, last (a mount answers a moment before)."""
+        try:
+            info = json.loads((self.ram_dir / "daemon.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return self.proc is not None and info.get("pid") == self.proc.pid
 
     def log(self) -> str:
         try:
@@ -209,20 +219,10 @@ class MtcfsMount:
         return self.start()
 
 
-_HANDED_OUT: set[int] = set()
-
-
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on now, and not handed out before in
-    this process: a port asked for and not bound yet (a daemon starting) is free to
-    the kernel, which can give it again (a metrics port became a peer port once)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A port on 127.0.0.1 for a daemon to bind later (support.ports: below the
+    kernel's ephemeral range, so no port-0 bind takes it meanwhile)."""
+    return ports.free_port()
 
 
 class PeerCluster:

@@ -10,8 +10,12 @@ drops some (loss), and none across a partition or to a host that is down;
 
 What a host does with a batch is its store's: `IndexStore` is the real
 replicated index (mtcfs.peer.index over a Namespace and a MetaStore),
-`CompactStore` keeps only each entry's stamp (id -> (lamport, writer), last
-writer wins as the index does) so a thousand hosts fit in memory.
+`CompactStore` keeps only which batches the host applied, in a `Ledger` the
+compact hosts share (each batch's entries once, a bit per host and batch);
+its index (id -> newest entry, last writer wins as the index does) is merged
+from them when asked for. So thousands of hosts fit in memory: the ledger
+grows with batches x N/8 bytes, not with each host's copy of the whole index
+(N^2 x files).
 
 CPU: each host's handler calls (the cores, encoding for the byte count, the
 store's apply) are timed with the thread's CPU clock; bytes are those of
@@ -29,8 +33,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mtcfs.fs.namespace import Namespace
-from mtcfs.meta.store import MetaStore
+from mtcfs.core.namespace import Namespace
+from mtcfs.core.store import MetaStore
 from mtcfs.peer import fanout, placement, swim, wire
 from mtcfs.peer.index import ReplicatedIndex
 from mtcfs.peer.v1 import peer_pb2 as pb
@@ -78,28 +82,90 @@ class Store(Protocol):
     def snapshot(self) -> list[pb.Entry]: ...
 
 
-class CompactStore:
-    """An index reduced to a map id -> newest entry, merged last-writer-wins; the
-    entries are shared with the sender's batch (no copy per host)."""
+class Ledger:
+    """The batches a simulation's hosts applied: each batch's entries once and, per
+    batch, one bit per host that applied it."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, pb.Entry] = {}
+        self.entries: dict[tuple[str, int], list[pb.Entry]] = {}
+        self.applied: dict[tuple[str, int], bytearray] = {}
+        self.slots: dict[str, int] = {}
+
+    def slot(self, node: str) -> int:
+        return self.slots.setdefault(node, len(self.slots))
+
+    def mark(self, slot: int, key: tuple[str, int],
+             entries: Iterable[pb.Entry] | None = None) -> None:
+        if entries is not None and not self.entries.get(key):
+            self.entries[key] = list(entries)
+        bits = self.applied.get(key)
+        if bits is None:
+            bits = self.applied[key] = bytearray(max(64, len(self.slots) + 7) // 8)
+        if slot // 8 >= len(bits):
+            bits.extend(bytes(slot // 8 + 1 - len(bits)))
+        bits[slot // 8] |= 1 << (slot % 8)
+
+    def has(self, slot: int, key: tuple[str, int]) -> bool:
+        bits = self.applied.get(key)
+        return bits is not None and slot // 8 < len(bits) and bool(bits[slot // 8]
+                                                                  & (1 << (slot % 8)))
+
+    def keys_of(self, slot: int) -> list[tuple[str, int]]:
+        return [k for k in self.applied if self.has(slot, k)]
+
+
+class BatchSet:
+    """The batches one host applied (`key in host.batches`), kept in the ledger."""
+
+    def __init__(self, ledger: Ledger, node: str) -> None:
+        self.ledger = ledger
+        self.slot = ledger.slot(node)
+
+    def add(self, key: tuple[str, int]) -> None:
+        self.ledger.mark(self.slot, key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and self.ledger.has(self.slot, key)
+
+
+class CompactStore:
+    """An index reduced to the batches applied (in the shared ledger) and what came
+    otherwise (a reconciliation's snapshot); merged id -> newest entry, last writer
+    wins, when asked for. The entries are the sender's (no copy per host)."""
+
+    def __init__(self, ledger: Ledger | None = None, node: str = "") -> None:
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.slot = self.ledger.slot(node)
+        self.loose: dict[str, pb.Entry] = {}  # from snapshots, not batches
 
     def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
-        self.merge(batch.entries)
+        if origin and seq:
+            self.ledger.mark(self.slot, (origin, seq), batch.entries)
+        else:
+            self.merge(batch.entries)
 
     def merge(self, entries: Iterable[pb.Entry]) -> None:
-        have = self.entries
-        for e in entries:
-            old = have.get(e.id)
-            if old is None or (e.lamport, e.writer) > (old.lamport, old.writer):
-                have[e.id] = e
+        _merge_into(self.loose, entries)
+
+    @property
+    def entries(self) -> dict[str, pb.Entry]:
+        out = dict(self.loose)
+        for key in self.ledger.keys_of(self.slot):
+            _merge_into(out, self.ledger.entries.get(key, ()))
+        return out
 
     def digest(self) -> dict[str, tuple[int, str]]:
         return {g: (e.lamport, e.writer) for g, e in self.entries.items()}
 
     def snapshot(self) -> list[pb.Entry]:
         return list(self.entries.values())
+
+
+def _merge_into(have: dict[str, pb.Entry], entries: Iterable[pb.Entry]) -> None:
+    for e in entries:
+        old = have.get(e.id)
+        if old is None or (e.lamport, e.writer) > (old.lamport, old.writer):
+            have[e.id] = e
 
 
 class IndexStore:
@@ -151,13 +217,14 @@ class SimHost:
     received: Traffic = field(default_factory=Traffic)
     marked_dead: dict[str, float] = field(default_factory=dict)
     marked_alive: dict[str, float] = field(default_factory=dict)
-    batches: set[tuple[str, int]] = field(default_factory=set)
+    batches: BatchSet = field(init=False)
     revivals: int = 0  # times this host learnt it had been declared dead
     snapshot_entries: int = 0  # entries pulled by reconciliation snapshots
     on_batch: Callable[[SimHost, str, int], None] | None = None
 
     def __post_init__(self) -> None:
         loop = self.net.loop
+        self.batches = BatchSet(self.net.ledger, self.node)
         self.swim = swim.Swim(self.node, self.members, self, self.net.rng, self.config,
                               partners=self._partners, now=loop.now)
         self.tree = fanout.Fanout(self.node, self.swim.live, self._deliver,
@@ -242,8 +309,8 @@ class SimHost:
 
     def publish(self, batch: pb.ChangeBatch) -> int:
         t0 = time.thread_time()
-        self.store.apply(self.node, 0, batch)
         seq, out = self.tree.publish(batch, batch.ByteSize(), self.net.loop.now)
+        self.store.apply(self.node, seq, batch)
         self.batches.add((self.node, seq))
         self._send(out, t0)
         return seq
@@ -279,6 +346,7 @@ class Net:
         self.latency = latency
         self.loss = loss
         self.hosts: dict[str, SimHost] = {}
+        self.ledger = Ledger()  # the batches each host applied
         self.side: dict[str, int] = {}  # partition side of a host (0 unless partitioned)
 
     def send(self, src: str, dst: str, msg: object, nbytes: int) -> None:
@@ -327,7 +395,7 @@ def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[st
         root = tempfile.mkdtemp(prefix="mtcfs-sim-")
     for i in ids:
         store: Store = (IndexStore(i, os.path.join(root or "", i)) if i in real
-                        else CompactStore())
+                        else CompactStore(net.ledger, i))
         net.hosts[i] = SimHost(i, net, store, ids, ring, replicas=replicas, config=config,
                                fanout_degree=fanout_degree)
     return net
@@ -338,7 +406,7 @@ def add_host(net: Net, node: str, *, store: Store | None = None) -> SimHost:
     ring = next(iter(net.hosts.values())).ring
     if node not in ring:
         ring = placement.ring([(i, "") for i in [*ring, node]])
-    h = SimHost(node, net, store or CompactStore(), (), ring)
+    h = SimHost(node, net, store or CompactStore(net.ledger, node), (), ring)
     net.hosts[node] = h
     return h
 

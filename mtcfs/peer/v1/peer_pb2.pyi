@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GoneRequest(_message.Message):
+    __slots__ = ("addresses", "reason")
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GoneReply(_message.Message):
+    __slots__ = ("probing",)
+    PROBING_FIELD_NUMBER: _ClassVar[int]
+    probing: int
+    def __init__(self, probing: _Optional[int] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ("from_node", "lamport", "listen")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class PeerStub:
                 request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.SerializeToString,
                 response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeReply.FromString,
                 _registered_method=True)
+        self.Gone = channel.unary_unary(
+                '/mtcfs.peer.v1.Peer/Gone',
+                request_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.GoneRequest.SerializeToString,
+                response_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.GoneReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -138,6 +143,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gone(self, request, context):
+        """Word from outside the job (mtcfs controller: Kubernetes deleted or evicted these
+        hosts' daemon pods) that these hosts are gone. Evidence, not a verdict: the
+        receiver probes each at once and declares it dead only if it does not answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +194,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.FromString,
                     response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeReply.SerializeToString,
+            ),
+            'Gone': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gone,
+                    request_deserializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.GoneRequest.FromString,
+                    response_serializer=mtcfs_dot_peer_dot_v1_dot_peer__pb2.GoneReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +417,33 @@ class Peer:
             '/mtcfs.peer.v1.Peer/Forward',
             mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeMessage.SerializeToString,
             mtcfs_dot_peer_dot_v1_dot_peer__pb2.TreeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.Peer/Gone',
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.GoneRequest.SerializeToString,
+            mtcfs_dot_peer_dot_v1_dot_peer__pb2.GoneReply.FromString,
             options,
             channel_credentials,
             insecure,

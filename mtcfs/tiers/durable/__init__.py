@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
-from mtcfs.checksums import (
+from mtcfs.core.checksums import (
     CHUNK_META_KEY,
     chunk_crcs_of_fd,
     chunk_size_for,
@@ -103,20 +104,22 @@ def parse_url(url: str) -> tuple[str, str, str]:
 
 
 def open_durable(url: str, endpoint: str | None = None, *,
-                 retry_deadline: float | None = None) -> DurableTier:
+                 retry_deadline: float | None = None,
+                 on_retry: Callable[[str], None] = lambda msg: None) -> DurableTier:
     """The durable tier for `url`. Does no I/O on file:// and no request on gs://
     (call check() for that); raises DurableError for a URL it cannot use.
 
     endpoint: a GCS endpoint such as an emulator (http://127.0.0.1:4443); default
     STORAGE_EMULATOR_HOST, else Google. retry_deadline: seconds one GCS request
-    keeps retrying through an outage before Unavailable is raised.
+    keeps retrying through an outage before Unavailable is raised. on_retry: told of
+    each transient error a GCS call retries (a file:// tier does not retry).
     """
     kind, bucket, where = parse_url(url)
     if kind == "gs":
         from mtcfs.tiers.durable.gcs import DEFAULT_RETRY_DEADLINE, GcsTier
 
         return GcsTier(bucket, where, endpoint=endpoint,
-                       retry_deadline=retry_deadline or DEFAULT_RETRY_DEADLINE)
+                       retry_deadline=retry_deadline or DEFAULT_RETRY_DEADLINE, on_retry=on_retry)
     from mtcfs.tiers.durable.localdir import LocalDirTier
 
     return LocalDirTier(where)

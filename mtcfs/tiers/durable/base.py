@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import google_crc32c
 
-from mtcfs import checksums
-from mtcfs.checksums import (
+from mtcfs.core import checksums
+from mtcfs.core.checksums import (
     CHUNK_META_KEY,
     crc32c_combine,
     crc_of_chunks,
@@ -177,10 +177,10 @@ class DurableTier(ABC):
     """One durable location: `gs://bucket[/prefix]` or `file:///dir`."""
 
     url: str
-    # Set by the user of the tier: called (from worker threads, with one line naming
-    # the cause) each time a transient error is retried inside a call, so an outage
-    # is visible while the call keeps retrying.
-    on_retry: Callable[[str], None] | None = None
+
+    def may_hold(self, generation: int) -> bool:
+        """An object of this generation may be here (0: the file was never persisted)."""
+        return bool(generation)
 
     @abstractmethod
     def check(self) -> None:
@@ -282,6 +282,10 @@ class _Aborted(DurableError):
     """Another chunk of the same download failed: stop this one early."""
 
 
+def no_progress(offset: int, length: int) -> None:
+    """The progress callback of a transfer nobody follows."""
+
+
 class RangeWriter:
     """A write()-able sink that pwrite()s into fd from `offset` and checksums the bytes.
 
@@ -303,11 +307,11 @@ class RangeWriter:
         self._parts: list[bytes] = []
         self._pending = 0
         self._flushed = 0
-        self._progress = progress
-        self._abort = abort
+        self._progress: Progress = progress or no_progress
+        self._abort = abort or threading.Event()  # (never set: nobody abandons it)
 
     def write(self, data: bytes) -> int:
-        if self._abort is not None and self._abort.is_set():
+        if self._abort.is_set():
             raise _Aborted("download abandoned: another chunk failed")
         n = len(data)
         if self.written + n > self.limit:
@@ -333,8 +337,7 @@ class RangeWriter:
             view = memoryview(buf)
             while done < len(buf):
                 done += os.pwrite(self.fd, view[done:], off + done)
-        if self._progress is not None:
-            self._progress(off, done)
+        self._progress(off, done)
         self._flushed += done
 
     # download_to_file() may probe these on its stream.

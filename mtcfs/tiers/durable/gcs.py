@@ -41,7 +41,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import requests
 import urllib3
@@ -54,7 +54,7 @@ from google.cloud import storage
 from google.cloud.storage.blob import Blob
 from google.cloud.storage.exceptions import InvalidResponse
 
-from mtcfs.checksums import crc_from_b64, crc_to_b64
+from mtcfs.core.checksums import crc_from_b64, crc_to_b64
 from mtcfs.tiers.durable.base import (
     DEFAULT_DOWNLOAD_CHUNK,
     DurableError,
@@ -68,6 +68,7 @@ from mtcfs.tiers.durable.base import (
     Progress,
     RangeWriter,
     Unavailable,
+    no_progress,
     validate_key,
     validate_metadata,
     validate_prefix,
@@ -160,7 +161,7 @@ class _FileRange:
         self._pos = start
         self._start = start
         self._end = end
-        self._progress = progress
+        self._progress: Progress = progress or no_progress
 
     def __len__(self) -> int:
         return self._end - self._start
@@ -171,8 +172,7 @@ class _FileRange:
         data = os.pread(self._fd, min(SEND_BLOCK, self._end - self._pos), self._pos)
         if not data:
             raise _SourceShrank()
-        if self._progress is not None:
-            self._progress(self._pos, len(data))
+        self._progress(self._pos, len(data))
         self._pos += len(data)
         return data
 
@@ -188,12 +188,20 @@ def _persisted_end(resp: requests.Response) -> int:
     return int(m.group(1)) + 1
 
 
+def _ignore(msg: str) -> None:
+    pass
+
+
 class GcsTier(DurableTier):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint: str | None = None,
                  retry_deadline: float = DEFAULT_RETRY_DEADLINE,
                  connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT,
                  check_timeout: float = CHECK_TIMEOUT, upload_chunk_size: int | None = None,
-                 resumable_threshold: int = MULTIPART_MAX, max_connections: int = 32) -> None:
+                 resumable_threshold: int = MULTIPART_MAX, max_connections: int = 32,
+                 on_retry: Callable[[str], None] = _ignore) -> None:
+        """`on_retry`: called (from worker threads, with one line naming the cause) each
+        time a transient error is retried inside a call, so an outage is visible while
+        the call keeps retrying."""
         if upload_chunk_size is not None and (
                 upload_chunk_size <= 0 or upload_chunk_size % GCS_CHUNK_MULTIPLE):
             raise ValueError("upload_chunk_size must be a positive multiple of 256 KiB")
@@ -210,6 +218,7 @@ class GcsTier(DurableTier):
         self.check_timeout = check_timeout
         self.upload_chunk_size = upload_chunk_size  # None: the whole file in one request
         self.resumable_threshold = resumable_threshold
+        self.on_retry = on_retry
         self._client = self._make_client(max_connections)
         self._bucket = self._client.bucket(bucket)
 
@@ -250,9 +259,8 @@ class GcsTier(DurableTier):
                      on_error=self._retrying)
 
     def _retrying(self, exc: BaseException) -> None:
-        if self.on_retry is not None:
-            self.on_retry(f"{self.url}: GCS at {self._where} unavailable, retrying: "
-                          f"{short_cause(exc)}")
+        self.on_retry(f"{self.url}: GCS at {self._where} unavailable, retrying: "
+                      f"{short_cause(exc)}")
 
     def _name(self, key: str) -> str:
         return self.prefix + validate_key(key)

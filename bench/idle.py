@@ -1,0 +1,188 @@
+"""What a real daemon costs while nothing happens: N mtcfs daemons peered on
+loopback (each its own RAM dir and mount, --replicas 1, no bucket), no file
+written, and the CPU each spends over a window after start-up.
+
+A daemon's CPU is utime + stime from /proc/PID/stat (all its threads), read at
+the start and end of the window: the figure is CPU time, not wall-clock work,
+so it holds on a machine other work loads (the daemons get the CPU they ask
+for, later). Goal: <= 0.3 % of a core per daemon.
+
+With --kill K (standalone) or in the group at the largest N: K daemons are
+killed at once (SIGKILL), and the time until every survivor's status shows
+all of them dead is the detection time (SWIM's bound: 10 s); the survivors'
+CPU over that time is the catch-up cost.
+
+    .venv/bin/python bench/idle.py --hosts 4,16 [--seconds 60] [--kill 5]
+    .venv/bin/python bench/run.py --only idle [--hosts 4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import (
+    Context,
+    Mount,
+    Row,
+    Scratch,
+    cpu_seconds,
+    median,
+    proc_field,
+)
+from peers import free_ports
+
+from mtcfs import control
+
+GOAL = 0.3  # % of a core per idle daemon
+DETECT_GOAL = 10.0  # s until every survivor has every killed host dead
+SETTLE = 5.0  # s after every mount is live before the window opens
+RAM_SIZE = "64MiB"
+
+
+def start_cluster(scratch: Scratch, n: int, tag: str) -> list[Mount]:
+    """n peered daemons on loopback, started at the same time; returns once all are
+    live and every one sees the n - 1 others alive."""
+    token = scratch.tmp / f"token-{tag}"
+    token.write_text(secrets.token_hex(32) + "\n")
+    token.chmod(0o600)
+    ports = free_ports(n)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    mounts = []
+    for i, addr in enumerate(addrs):
+        peers = ",".join(a for a in addrs if a != addr)
+        args = ["--node-id", f"{tag}-{i}", "--listen", addr, "--data-listen", "127.0.0.1:0",
+                "--token-file", str(token), "--replicas", "1", "--log-level", "warning"]
+        if peers:
+            args += ["--peers", peers]
+        ram = scratch.shm / f"ram-{tag}-{i}"
+        m = Mount(scratch.tmp / f"mnt-{tag}-{i}", ram, RAM_SIZE, args)
+        scratch.mounts.append(m)
+        mounts.append(m)
+    with ThreadPoolExecutor(min(n, 16)) as pool:
+        list(pool.map(lambda m: m.start(), mounts))
+    deadline = time.monotonic() + 60 + n
+    while not all(alive_peers(m) >= n - 1 for m in mounts):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} daemons did not all see each other in time")
+        time.sleep(0.5)
+    return mounts
+
+
+def _status(m: Mount) -> dict:
+    return control.request(str(m.path), "status")["status"]
+
+
+def alive_peers(m: Mount) -> int:
+    return sum(1 for p in _status(m)["peers"]["peers"] if p.get("alive"))
+
+
+def dead_seen(m: Mount, node_ids: set[str]) -> bool:
+    peers = {p["node_id"]: p for p in _status(m)["peers"]["peers"]}
+    return all(nid in peers and not peers[nid].get("alive") for nid in node_ids)
+
+
+def cpu_pct(mounts: list[Mount], seconds: float) -> list[float]:
+    """Each daemon's CPU over `seconds`, in % of a core."""
+    pids = [m.pid for m in mounts]
+    before = [cpu_seconds(p) for p in pids]
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    return [100 * (cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]
+
+
+def kill_and_detect(mounts: list[Mount], k: int) -> tuple[float, list[float]]:
+    """SIGKILL k daemons at once; seconds until every survivor shows them all dead,
+    and the survivors' CPU (% of a core) over that time."""
+    victims, survivors = mounts[-k:], mounts[:-k]
+    ids = {m.args[m.args.index("--node-id") + 1] for m in victims}
+    before = [cpu_seconds(m.pid) for m in survivors]
+    t0 = time.monotonic()
+    for m in victims:
+        os.kill(m.pid, signal.SIGKILL)
+    left = list(survivors)
+    while left:
+        left = [m for m in left if not dead_seen(m, ids)]
+        if time.monotonic() - t0 > 60:
+            raise TimeoutError(f"{len(left)} survivors still miss a death after 60 s")
+        time.sleep(0.1)
+    took = time.monotonic() - t0
+    cpu = [100 * (cpu_seconds(m.pid) - b) / took for m, b in zip(survivors, before, strict=True)]
+    return took, cpu
+
+
+def rss_mib(mounts: list[Mount]) -> float:
+    return median([proc_field(m.pid, "status", "VmRSS") / (1 << 20) for m in mounts])
+
+
+def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0) -> dict:
+    mounts = start_cluster(scratch, n, f"n{n}")
+    try:
+        time.sleep(SETTLE)
+        pct = cpu_pct(mounts, seconds)
+        out: dict = {"hosts": n, "seconds": seconds, "cpu_pct": pct,
+                     "cpu_pct_median": median(pct), "cpu_pct_max": max(pct),
+                     "rss_mib_median": rss_mib(mounts)}
+        if kill and n > kill:
+            took, cpu = kill_and_detect(mounts, kill)
+            out.update(killed=kill, detect_s=took, catchup_cpu_pct_median=median(cpu))
+        return out
+    finally:
+        with ThreadPoolExecutor(min(n, 16)) as pool:
+            list(pool.map(scratch.unmount, mounts))
+
+
+def group(ctx: Context) -> list[Row]:
+    """bench/run.py's "idle" group: per-daemon CPU at idle for each --hosts value
+    (default 4 and 16) beside the goal; detection after killing 5 at the largest."""
+    hosts = ctx.hosts if ctx.hosts != [100, 300, 1000] else [4, 16]
+    rows: list[Row] = []
+    for n in hosts:
+        r = measure(ctx.scratch, n, 60.0, kill=5 if n == max(hosts) and n > 5 else 0)
+        ctx.last_line.append(r)
+        rows.append(Row("idle", f"{n} daemons: CPU per idle daemon", "% core",
+                        r["cpu_pct"], higher_is_better=False, max_value=GOAL,
+                        note=f"60 s, utime+stime; max {r['cpu_pct_max']:.2f} %, "
+                             f"RSS {r['rss_mib_median']:.0f} MiB"))
+        if "detect_s" in r:
+            rows.append(Row("idle", f"{n} daemons: 5 killed at once, all dead everywhere",
+                            "s", [r["detect_s"]], higher_is_better=False,
+                            max_value=DETECT_GOAL,
+                            note=f"survivors' CPU meanwhile {r['catchup_cpu_pct_median']:.2f} %"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/idle.py", description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", default="4,16", help="daemons per run, e.g. 4,16,64 [4,16]")
+    p.add_argument("--seconds", type=float, default=60.0, help="idle window [60]")
+    p.add_argument("--kill", type=int, default=0, help="then kill this many at once [0]")
+    args = p.parse_args(argv)
+    scratch = Scratch()
+    try:
+        for n in (int(h) for h in args.hosts.split(",")):
+            r = measure(scratch, n, args.seconds, args.kill)
+            line = (f"{n} daemons: {r['cpu_pct_median']:.3f} % of a core per idle daemon "
+                    f"(max {r['cpu_pct_max']:.3f}; goal <= {GOAL} %), "
+                    f"RSS {r['rss_mib_median']:.0f} MiB")
+            if "detect_s" in r:
+                line += (f"; {r['killed']} killed: all dead everywhere in {r['detect_s']:.2f} s "
+                         f"(survivors {r['catchup_cpu_pct_median']:.2f} % meanwhile)")
+            print(line, flush=True)
+            print(json.dumps(r), flush=True)
+    finally:
+        scratch.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The metadata database: namespace, attributes and per-file state.
+
+It lives in the RAM dir beside the data, so a daemon killed with -9 and
+started again re-adopts both. SQLite with `synchronous=OFF`: a committed
+transaction has reached the page cache (tmpfs), which survives the death of
+the process; fsync would only protect against losing the machine, and then
+the RAM tier is gone anyway.
+
+Only namespace changes and seals are written: write() never touches the
+database, so metadata cost does not grow with the bytes written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 5
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inodes (
+    ino INTEGER PRIMARY KEY,
+    mode INTEGER NOT NULL,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    atime_ns INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL,
+    rdev INTEGER NOT NULL DEFAULT 0,
+    target BLOB,
+    state TEXT NOT NULL,
+    crc32c INTEGER,
+    version INTEGER NOT NULL DEFAULT 0,
+    persisted_version INTEGER NOT NULL DEFAULT 0,
+    generation INTEGER NOT NULL DEFAULT 0,
+    has_data INTEGER NOT NULL DEFAULT 1,
+    guid TEXT NOT NULL DEFAULT '',
+    lamport INTEGER NOT NULL DEFAULT 0,
+    writer TEXT NOT NULL DEFAULT '',
+    holders TEXT NOT NULL DEFAULT '',
+    block_crcs BLOB,
+    author TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS dentries (
+    parent INTEGER NOT NULL,
+    name BLOB NOT NULL,
+    ino INTEGER NOT NULL,
+    alias INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (parent, name)
+);
+CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
+CREATE TABLE IF NOT EXISTS pending_deletes (
+    key TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tombstones (
+    guid TEXT PRIMARY KEY,
+    lamport INTEGER NOT NULL,
+    writer TEXT NOT NULL,
+    removed_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS xattrs (
+    ino INTEGER NOT NULL,
+    name BLOB NOT NULL,
+    value BLOB NOT NULL,
+    PRIMARY KEY (ino, name)
+);
+"""
+
+_INODE_COLS = (
+    "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version,"
+    " persisted_version, generation, has_data, guid, lamport, writer, holders, block_crcs,"
+    " author"
+)
+_INODE_PARAMS = ",".join("?" * len(_INODE_COLS.split(",")))
+# Columns added after schema 1, for databases written by older versions.
+_MIGRATIONS = {
+    1: [
+        "ALTER TABLE inodes ADD COLUMN persisted_version INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN generation INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN has_data INTEGER NOT NULL DEFAULT 1",
+    ],
+    2: [
+        "ALTER TABLE inodes ADD COLUMN guid TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE inodes ADD COLUMN lamport INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN writer TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE inodes ADD COLUMN holders TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE inodes ADD COLUMN block_crcs BLOB",
+    ],
+    3: [
+        # 1 for a hard link's further names; 0 for the name an inode is known by.
+        "ALTER TABLE dentries ADD COLUMN alias INTEGER NOT NULL DEFAULT 0",
+    ],
+    4: [
+        # The node that sealed an inode's data version (until schema 4 the writer of
+        # its last change stood for it).
+        "ALTER TABLE inodes ADD COLUMN author TEXT NOT NULL DEFAULT ''",
+        "UPDATE inodes SET author = writer",
+    ],
+}
+
+
+@dataclass
+class InodeRow:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int
+    target: bytes | None
+    state: str
+    crc32c: int | None
+    version: int
+    persisted_version: int = 0  # the version last confirmed by the durable tier
+    generation: int = 0  # that object's generation in the durable tier (0: none)
+    has_data: bool = True  # the whole content is in the RAM tier
+    guid: str = ""  # global id in the job's replicated index (stable across renames)
+    lamport: int = 0  # (lamport, writer): the last change's stamp, last writer wins
+    writer: str = ""
+    holders: str = ""  # comma-separated node ids with a verified copy of this version
+    block_crcs: bytes | None = None  # crc32c per 4 MiB block (mtcfs.core.checksums.BLOCK)
+    author: str = ""  # the node that sealed this data version (it uploads, pushes it)
+
+
+class MetaStore:
+    """Write-through persistence for the in-memory namespace (mtcfs.core.namespace)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=OFF")
+        row = self._schema_version()
+        if row is not None and int(row) < SCHEMA_VERSION:
+            for version in range(int(row), SCHEMA_VERSION):
+                for stmt in _MIGRATIONS.get(version, []):
+                    self.db.execute(stmt)
+            self.db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
+            row = str(SCHEMA_VERSION)
+        self.db.executescript(_SCHEMA)
+        if row is None:
+            self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        elif int(row) != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"metadata database {path} has schema {row}, this mtcfs needs {SCHEMA_VERSION}"
+            )
+        self._depth = 0
+        # A coalescing transaction's inode and dentry writes (None: written at once).
+        self._inodes: dict[int, InodeRow | Callable[[], InodeRow] | None] | None = None
+        self._dentries: dict[tuple[int, bytes], tuple[int, int] | None] = {}
+
+    def _schema_version(self) -> str | None:
+        try:
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        except sqlite3.OperationalError:
+            return None  # a new database
+        return None if row is None else str(row[0])
+
+    @contextmanager
+    def transaction(self, coalesce: bool = False) -> Iterator[None]:
+        """Group several changes so that a crash leaves all or none of them.
+        coalesce (outermost only): an inode or a name written several times in the
+        transaction is written once, at its end, its last state (the rows go in one
+        executemany each: a snapshot of thousands of entries is applied in a few
+        statements instead of four per entry)."""
+        if self._depth == 0:
+            self.db.execute("BEGIN")
+            if coalesce:
+                self._inodes, self._dentries = {}, {}
+        self._depth += 1
+        try:
+            yield
+            if self._depth == 1:
+                self._flush()
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self._inodes = None
+                self.db.execute("ROLLBACK")
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.db.execute("COMMIT")
+
+    def _flush(self) -> None:
+        inodes, dentries = self._inodes, self._dentries
+        if inodes is None:
+            return
+        self._inodes, self._dentries = None, {}
+        gone = [(ino,) for ino, r in inodes.items() if r is None]
+        if gone:
+            self.db.executemany("DELETE FROM inodes WHERE ino=?", gone)
+            self.db.executemany("DELETE FROM xattrs WHERE ino=?", gone)
+        rows = [_inode_params(r if isinstance(r, InodeRow) else r())
+                for r in inodes.values() if r is not None]
+        if rows:
+            self.db.executemany(
+                f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES ({_INODE_PARAMS})",
+                rows)
+        gone_names = [k for k, v in dentries.items() if v is None]
+        if gone_names:
+            self.db.executemany("DELETE FROM dentries WHERE parent=? AND name=?", gone_names)
+        names = [(*k, *v) for k, v in dentries.items() if v is not None]
+        if names:
+            self.db.executemany("INSERT OR REPLACE INTO dentries VALUES (?,?,?,?)", names)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- reads (startup only) ------------------------------------------------
+
+    def load_inodes(self) -> Iterator[InodeRow]:
+        for row in self.db.execute(f"SELECT {_INODE_COLS} FROM inodes"):
+            r = InodeRow(*row)
+            r.has_data = bool(r.has_data)
+            yield r
+
+    def load_dentries(self) -> Iterator[tuple[int, bytes, int, bool]]:
+        for parent, name, ino, alias in self.db.execute(
+                "SELECT parent, name, ino, alias FROM dentries ORDER BY alias, parent, name"):
+            yield parent, name, ino, bool(alias)
+
+    def load_xattrs(self) -> Iterator[tuple[int, bytes, bytes]]:
+        yield from self.db.execute("SELECT ino, name, value FROM xattrs")
+
+    # -- writes ----------------------------------------------------------------
+
+    def put_inode(self, r: InodeRow) -> None:
+        if self._inodes is not None:
+            self._inodes[r.ino] = r
+            return
+        self.db.execute(
+            f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES ({_INODE_PARAMS})",
+            _inode_params(r))
+
+    def put_node(self, ino: int, row: Callable[[], InodeRow]) -> None:
+        """put_inode(row()); in a coalescing transaction, row() is called at its end
+        (once, however often the inode changed)."""
+        if self._inodes is not None:
+            self._inodes[ino] = row
+            return
+        self.put_inode(row())
+
+    @property
+    def depth(self) -> int:
+        """Transactions open (nested)."""
+        return self._depth
+
+    def delete_inode(self, ino: int) -> None:
+        if self._inodes is not None:
+            self._inodes[ino] = None
+            return
+        with self.transaction():
+            self.db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
+            self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+
+    def put_dentry(self, parent: int, name: bytes, ino: int, alias: bool = False) -> None:
+        if self._inodes is not None:
+            self._dentries[(parent, name)] = (ino, int(alias))
+            return
+        self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?,?)",
+                        (parent, name, ino, int(alias)))
+
+    def delete_dentry(self, parent: int, name: bytes) -> None:
+        if self._inodes is not None:
+            self._dentries[(parent, name)] = None
+            return
+        self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self.db.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))
+
+    # -- durable-tier deletions still to do (survive restarts) ----------------------
+
+    def add_pending_delete(self, key: str, generation: int) -> None:
+        self.db.execute("INSERT OR REPLACE INTO pending_deletes VALUES (?,?)", (key, generation))
+
+    def remove_pending_delete(self, key: str) -> None:
+        self.db.execute("DELETE FROM pending_deletes WHERE key=?", (key,))
+
+    def load_pending_deletes(self) -> list[tuple[str, int]]:
+        return list(self.db.execute("SELECT key, generation FROM pending_deletes"))
+
+    # -- tombstones of the replicated index (removed entries, by global id) --------
+
+    def put_tombstone(self, guid: str, lamport: int, writer: str, removed_at: float) -> None:
+        self.db.execute("INSERT OR REPLACE INTO tombstones VALUES (?,?,?,?)",
+                        (guid, lamport, writer, removed_at))
+
+    def delete_tombstone(self, guid: str) -> None:
+        self.db.execute("DELETE FROM tombstones WHERE guid=?", (guid,))
+
+    def load_tombstones(self) -> list[tuple[str, int, str, float]]:
+        return list(self.db.execute("SELECT guid, lamport, writer, removed_at FROM tombstones"))
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
+
+
+def _inode_params(r: InodeRow) -> tuple[object, ...]:
+    return (r.ino, r.mode, r.uid, r.gid, r.size, r.atime_ns, r.mtime_ns, r.ctime_ns, r.rdev,
+            r.target, r.state, r.crc32c, r.version, r.persisted_version, r.generation,
+            int(r.has_data), r.guid, r.lamport, r.writer, r.holders, r.block_crcs, r.author)

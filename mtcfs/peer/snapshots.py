@@ -1,0 +1,151 @@
+"""Snapshots of the replicated index, whole or delta, in pieces made as the stream
+asks for them (mtcfs.peer.index holds the entries; this makes what a host that
+joins or comes back pulls)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from mtcfs.core.namespace import ROOT, Inode, Namespace
+from mtcfs.peer.v1 import peer_pb2 as pb
+
+TOMBSTONE_TTL = 24 * 3600.0  # a host away longer than this may bring back removed entries
+
+
+class Index(Protocol):
+    """What a snapshot reads of the replicated index (mtcfs.peer.index)."""
+
+    ns: Namespace
+    tombstones: dict[str, tuple[int, str, float]]  # id -> (lamport, writer, when)
+    aliases: dict[str, str]  # a merged directory's other id -> its id
+    recent: dict[str, float]  # id -> when it last changed here, oldest first
+    recent_floor: float  # changes before this are not in recent
+    now: Callable[[], float]
+
+    def visible(self, node: Inode) -> bool: ...
+
+    def entry_of(self, node: Inode) -> pb.Entry: ...
+
+
+class Snapshots:
+    """The pieces of one index's snapshots (read in the thread that owns it)."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    def whole(self) -> Iterator[pb.Entry]:
+        """Every visible entry, parents before children, then the tombstones."""
+        for piece in self.pieces(1 << 62):
+            yield from piece
+
+    def pieces(self, size: int) -> Iterator[list[pb.Entry]]:
+        """The snapshot in pieces of at most `size` entries, each made when it is asked
+        for: a source serves its first piece at once and the requester applies it
+        while the next is made. Only the order (inode numbers) is taken up front.
+        Advance it in the thread that owns the namespace; other changes may run
+        between pieces: a piece shows entries as they are then (a node gone by then
+        is left out), and the requester, counted for commits before the first piece,
+        gets those changes by broadcast too: merged by stamp, either order is sound."""
+        index = self.index
+        ns = index.ns
+        order: list[int] = []
+        todo = [ROOT]
+        seen: set[int] = set()  # a hard-linked file is under several directories
+        while todo:
+            d = ns.inodes[todo.pop()]
+            assert d.children is not None
+            for ino in d.children.values():
+                node = ns.inodes[ino]
+                if node.links:
+                    if ino in seen:
+                        continue
+                    seen.add(ino)
+                order.append(ino)
+                if node.is_dir:
+                    todo.append(ino)
+        tombs = list(index.tombstones)
+        inodes, visible = ns.inodes, index.visible
+        others = self._other_ids()
+
+        def entries() -> Iterator[pb.Entry]:
+            for ino in order:
+                node = inodes.get(ino)
+                if node is not None and visible(node):
+                    yield from self._entries_of(node, others)
+            now = time.time()
+            for g in tombs:
+                tomb = index.tombstones.get(g)
+                if tomb is not None and now - tomb[2] < TOMBSTONE_TTL:
+                    yield removal(g, tomb)
+
+        yield from in_pieces(entries(), size)
+
+    def delta(self, since_s: float, size: int) -> Iterator[list[pb.Entry]] | None:
+        """What changed here in the last `since_s` seconds, oldest change first, in
+        pieces made as `pieces` makes them: for a host that was away (seen dead) that
+        long, instead of the whole snapshot. None when this index cannot tell: this
+        process started, or forgot the oldest changes, after that."""
+        index = self.index
+        cutoff = index.now() - since_s
+        if cutoff < index.recent_floor:
+            return None
+        ids: list[str] = []
+        for g in reversed(index.recent):
+            if index.recent[g] < cutoff:
+                break
+            ids.append(g)
+        ids.reverse()
+        return self._pieces_of(ids, size)
+
+    def _pieces_of(self, ids: list[str], size: int) -> Iterator[list[pb.Entry]]:
+        index = self.index
+        others = self._other_ids()
+
+        def entries() -> Iterator[pb.Entry]:
+            for g in ids:
+                node = index.ns.by_global_id(g)
+                if node is not None and index.visible(node):
+                    yield from self._entries_of(node, others)
+                elif (tomb := index.tombstones.get(g)) is not None:
+                    yield removal(g, tomb)
+
+        return in_pieces(entries(), size)
+
+    def _other_ids(self) -> dict[str, list[str]]:
+        """Each merged directory's other ids (the aliases, by the id they stand for)."""
+        out: dict[str, list[str]] = {}
+        for alias, gid in self.index.aliases.items():
+            out.setdefault(gid, []).append(alias)
+        return out
+
+    def _entries_of(self, node: Inode, others: dict[str, list[str]]) -> Iterator[pb.Entry]:
+        """A node's entry for a snapshot, then one per other id of a merged directory:
+        the host that made it under that id names it so in its later changes, and a
+        host that learns the directory from this snapshot must know that id too (the
+        same directory at the same name: applied, it merges again there)."""
+        e = self.index.entry_of(node)
+        yield e
+        for alias in others.get(node.guid, ()):
+            a = pb.Entry()
+            a.CopyFrom(e)
+            a.id = alias
+            yield a
+
+
+def removal(gid: str, tomb: tuple[int, str, float]) -> pb.Entry:
+    """The entry that says `gid` was removed (its tombstone: lamport, writer, when)."""
+    return pb.Entry(id=gid, lamport=tomb[0], writer=tomb[1], removed=True)
+
+
+def in_pieces(entries: Iterator[pb.Entry], size: int) -> Iterator[list[pb.Entry]]:
+    """Entries in lists of at most `size`, each made only when it is asked for."""
+    piece: list[pb.Entry] = []
+    for e in entries:
+        piece.append(e)
+        if len(piece) >= size:
+            yield piece
+            piece = []
+    if piece:
+        yield piece
