@@ -310,7 +310,8 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     names = Names(ns, ram, events, sealer, rules=rules, visibility=peers)
     fs = Filesystem(ns, ram, copies, events, kernel, clock, fetcher, space, durability,
                     passthrough, sealer, names, Xattrs(ns, opts.control_socket),
-                    node_id=opts.node_id, rules=rules, visibility_mode=opts.visibility)
+                    node_id=opts.node_id, rules=rules, visibility_mode=opts.visibility,
+                    kernel_times=not ram.own_tmpfs)  # the writeback cache's
     retention: Retention | NoRetention = (
         Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
         if opts.keep_steps else NoRetention())

@@ -124,7 +124,8 @@ class Filesystem(Listener):
                  kernel: KernelCache, clock: WriteClock, fetcher: Fetcher,
                  space: SpaceManager, durability: Durability, passthrough: Passthrough,
                  sealer: Sealer, names: Names, xattrs: Xattrs, *, node_id: str,
-                 rules: StepRules, visibility_mode: str = "fsync") -> None:
+                 rules: StepRules, visibility_mode: str = "fsync",
+                 kernel_times: bool = False) -> None:
         self.ns = ns
         self.ram = ram
         self.copies = copies
@@ -143,6 +144,11 @@ class Filesystem(Listener):
         # "fsync": fsync, directory fsync and commits wait for the peers; "close": every
         # close of a written file too.
         self.visibility_mode = visibility_mode
+        # With the writeback cache the kernel keeps a written file's mtime and ctime
+        # and sends them (setattr) before the file's flush: a write arriving later
+        # must not put the daemon's clock in their place (a crash would then show
+        # another mtime than the trainer saw).
+        self.kernel_times = kernel_times
         # A writer is opened with passthrough only while the RAM tier has this much
         # room (its writes cannot be made to wait); below it, writes pass the daemon,
         # which makes them wait for room as eviction frees it.
@@ -402,7 +408,8 @@ class Filesystem(Listener):
         if end > node.size:
             node.size = end
         self.sealer.wrote(node, off, buf if n == len(buf) else buf[:n])
-        node.mtime_ns = node.ctime_ns = time.time_ns()
+        if not self.kernel_times:
+            node.mtime_ns = node.ctime_ns = time.time_ns()
         self.stats.bytes_written += n
         self.clock.wrote()
         return n

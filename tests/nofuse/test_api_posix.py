@@ -182,3 +182,19 @@ async def test_xattrs(make_host) -> None:
     await expect(errno.ENODATA, h.fs.xattrs.getxattr, node, b"user.none")
     h.fs.xattrs.removexattr(node, b"user.k")
     await expect(errno.ENODATA, h.fs.xattrs.removexattr, node, b"user.k")
+
+
+async def test_with_the_writeback_cache_a_write_keeps_the_kernels_times(make_host) -> None:
+    """The kernel keeps a written file's mtime (writeback cache) and sends it; pages it
+    writes back after that must not stamp the daemon's clock over it. A `make test`
+    saw big.bin's mtime 46 ms later after kill -9 than the trainer had seen."""
+    h: Host = await make_host()
+    assert h.fs.kernel_times  # the in-process layer stands for the FUSE data path
+    fh = await h.open("f", os.O_WRONLY | os.O_CREAT)
+    await h.write(fh, 0, b"a" * 4096)
+    node = h.node("f")
+    await h.fs.setattr(node, mtime_ns=1_000_000_123, ctime_ns=1_000_000_456)
+    await h.write(fh, 4096, b"b" * 4096)  # a page written back after the times
+    await h.close(fh)
+    assert (node.mtime_ns, node.ctime_ns) == (1_000_000_123, 1_000_000_456)
+    assert node.size == 8192
