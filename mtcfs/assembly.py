@@ -311,7 +311,8 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     fs = Filesystem(ns, ram, copies, events, kernel, clock, fetcher, space, durability,
                     passthrough, sealer, names, Xattrs(ns, opts.control_socket),
                     node_id=opts.node_id, rules=rules, visibility_mode=opts.visibility,
-                    kernel_times=not ram.own_tmpfs)  # the writeback cache's
+                    kernel_times=not ram.own_tmpfs,  # the writeback cache's
+                    open_wait=opts.open_wait)
     retention: Retention | NoRetention = (
         Retention(fs, space, rules, retired, opts.keep_steps, opts.incomplete_grace)
         if opts.keep_steps else NoRetention())

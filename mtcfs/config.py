@@ -100,6 +100,9 @@ class MountOptions:
     # The bulk data channel (mtcfs.peer.bulk): where it listens, connections per peer.
     data_listen: str | None = None
     data_connections: int = 4
+    # A reader's open of a file a peer holds waits this long for it to arrive whole
+    # (then read through passthrough), else reads it as it arrives.
+    open_wait: float = 5.0
     # AES-GCM encryption of the data channel's frames (else authenticated only).
     peer_encryption: bool = False
     bucket: str | None = None
@@ -161,7 +164,7 @@ def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
     elif name in ("replicas", "keep_steps", "metrics_port", "data_connections"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh",
-                  "commit_timeout"):
+                  "commit_timeout", "open_wait"):
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         want = "a number of seconds"
     elif name == "ram_size":
@@ -354,6 +357,7 @@ def _validate_lifecycle(opts: MountOptions) -> None:
                               "once persisted, and without a durable tier nothing would be left")
     _seconds(opts, "incomplete_grace", allow_zero=True)
     _seconds(opts, "full_timeout", allow_zero=True)
+    _seconds(opts, "open_wait", allow_zero=True)
     _seconds(opts, "fsync_timeout")
     _seconds(opts, "commit_timeout")
     opts.visibility = _choice(opts.visibility, "fsync", VISIBILITY_MODES, "--visibility")

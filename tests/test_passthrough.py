@@ -235,16 +235,59 @@ def test_a_mapped_file_is_not_shown_closed_after_close(mnt):
     wait_until(lambda: mnt.state("m", settle=False)["state"] == "closed", timeout=10)
 
 
-def test_a_file_being_fetched_is_served_by_the_daemon_until_complete(make_cluster):
-    """Host b reads host a's file: while it is fetched, b's opens go through b's
-    daemon; once fetched and released, b's next open passes through."""
+def _write_on(m, name: str, data: bytes) -> None:
+    with open(m.path / name, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # returns once the peers have it in their index
+
+
+def test_a_file_from_a_peer_is_read_in_ram_once_it_has_arrived(make_cluster):
+    """Host b reads host a's file: b's open waits for the whole file (--open-wait) and
+    the reader reads it through passthrough, not read by read through b's daemon."""
     c = make_cluster(2, replicas=0)
     a, b = c["a"], c["b"]
     data = blob(3, 96 * MiB)
-    with open(a.path / "f", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_on(a, "f", data)
+    before = counts(b)
+    assert (b.path / "f").read_bytes() == data
+    after = counts(b)
+    assert after["passthrough_opens"] == before["passthrough_opens"] + 1, (before, after)
+    assert after["daemon_opens"] == before["daemon_opens"], (before, after)
+    assert b.state("f")["tiers"][0] == "ram"
+
+
+def test_an_open_waits_no_longer_than_open_wait(make_cluster):
+    """The holder stalls (SIGSTOP): b's open gives up waiting after --open-wait and
+    reads the file as it arrives, through b's daemon, once the holder goes on."""
+    c = make_cluster(2, replicas=0, extra=("--open-wait", "1"))
+    a, b = c["a"], c["b"]
+    data = blob(4, 64 * MiB)
+    _write_on(a, "f", data)
+    before = counts(b)
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        fd = os.open(b.path / "f", os.O_RDONLY)
+        waited = time.monotonic() - t0
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    try:
+        assert 0.9 <= waited < 4, waited
+        assert os.pread(fd, len(data), 0) == data
+    finally:
+        os.close(fd)
+    assert counts(b)["daemon_opens"] == before["daemon_opens"] + 1
+
+
+def test_a_file_being_fetched_is_served_by_the_daemon_until_complete(make_cluster):
+    """With --open-wait 0 host b reads host a's file as it arrives: while it is
+    fetched, b's opens go through b's daemon; once fetched and released, b's next
+    open passes through."""
+    c = make_cluster(2, replicas=0, extra=("--open-wait", "0"))
+    a, b = c["a"], c["b"]
+    data = blob(3, 96 * MiB)
+    _write_on(a, "f", data)
     before = counts(b)
     fd = os.open(b.path / "f", os.O_RDONLY)  # starts the fetch
     try:
@@ -259,7 +302,6 @@ def test_a_file_being_fetched_is_served_by_the_daemon_until_complete(make_cluste
     wait_until(lambda: b.state("f")["tiers"][0] == "ram", timeout=30)
     assert (b.path / "f").read_bytes() == data
     assert counts(b)["passthrough_opens"] > mid["passthrough_opens"]
-
 
 def test_set_id_files_are_written_through_the_daemon(make_mount):
     """Their first unprivileged write must clear the bits: that write has to reach us."""

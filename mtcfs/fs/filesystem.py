@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import time
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from mtcfs.core.events import Listener
-from mtcfs.core.namespace import INCOMPLETE, OPEN, Inode, Namespace
+from mtcfs.core.namespace import CLOSED, INCOMPLETE, OPEN, Inode, Namespace
 from mtcfs.core.steps import StepRules, files_under
 from mtcfs.fs.errors import FsError as FsError
 from mtcfs.fs.kernel import KernelCache
@@ -125,7 +126,7 @@ class Filesystem(Listener):
                  space: SpaceManager, durability: Durability, passthrough: Passthrough,
                  sealer: Sealer, names: Names, xattrs: Xattrs, *, node_id: str,
                  rules: StepRules, visibility_mode: str = "fsync",
-                 kernel_times: bool = False) -> None:
+                 kernel_times: bool = False, open_wait: float = 5.0) -> None:
         self.ns = ns
         self.ram = ram
         self.copies = copies
@@ -149,6 +150,9 @@ class Filesystem(Listener):
         # must not put the daemon's clock in their place (a crash would then show
         # another mtime than the trainer saw).
         self.kernel_times = kernel_times
+        # How long a reader's open waits for a file from a peer to arrive whole (then
+        # read through passthrough) before it reads it as it arrives, via the daemon.
+        self.open_wait = open_wait
         # A writer is opened with passthrough only while the RAM tier has this much
         # room (its writes cannot be made to wait); below it, writes pass the daemon,
         # which makes them wait for room as eviction frees it.
@@ -306,18 +310,12 @@ class Filesystem(Listener):
                       "rewrite or remove it", self.ns.path_of(node))
             raise FsError(errno.EIO)
         elif not node.has_data:
-            if not writable and self.fetcher.ahead(node):
-                # Being fetched whole ahead of readers (a replacement's restore, a
-                # prefetch): wait for it, then read it in RAM through passthrough, not
-                # read by read through the daemon while it arrives.
-                with contextlib.suppress(OSError):  # (else: the reads say why)
-                    await self.fetcher.wait_complete(node)
+            if not writable and self.passthrough.enabled:
+                await self._fetched_whole(node)
             if not node.has_data:
                 # Start fetching now; reads wait for the ranges they need.
                 self.fetcher.start(node)
-                step = self.rules.enclosing_step(self.ns, node)
-                if step is not None:  # a load reads the step's other files next
-                    self.fetcher.step_ahead(list(files_under(self.ns, step)))
+                self._step_ahead(node)
         fh = self._open_handle(node, flags, uid, in_group)
         if writable and not node.has_data:
             try:
@@ -326,6 +324,31 @@ class Filesystem(Listener):
                 await self.release(fh)
                 raise
         return fh
+
+    async def _fetched_whole(self, node: Inode) -> None:
+        """A reader's open of a file that is not here, with passthrough: wait (up to
+        --open-wait) for the whole file to arrive, then read it in RAM through
+        passthrough rather than read by read through the daemon while it arrives
+        (those replies and the fetch share the host's cores). One fetched ahead (a
+        replacement's restore, a prefetch) is waited for to its end."""
+        if not self.fetcher.ahead(node):
+            if (not self.open_wait or node.size == 0 or node.state != CLOSED
+                    or not self.copies.elsewhere(node)):
+                # Nothing to wait for; being written elsewhere (read from its writer);
+                # or only in the bucket: read as it comes.
+                return
+            self.fetcher.start(node)
+            self._step_ahead(node)
+            wait = self.open_wait
+        else:
+            wait = math.inf
+        with trio.move_on_after(wait), contextlib.suppress(OSError):  # (else: reads say why)
+            await self.fetcher.wait_complete(node)
+
+    def _step_ahead(self, node: Inode) -> None:
+        step = self.rules.enclosing_step(self.ns, node)
+        if step is not None:  # a load reads the step's other files next
+            self.fetcher.step_ahead(list(files_under(self.ns, step)))
 
     def _open_handle(self, node: Inode, flags: int, uid: int = 0, in_group: bool = True) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
