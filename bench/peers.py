@@ -245,6 +245,7 @@ class Cluster:
             "--replicas",
             str(replicas),
             *extra,
+            *os.environ.get("MTCFS_AB", "").split(),
         ]
         if "--data-listen" not in extra:
             # Any free port: the default (--listen's port + 1) may be taken by then.

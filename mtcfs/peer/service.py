@@ -128,7 +128,9 @@ class PeerService:
         return self.ram.begin_incoming(e.size)
 
     def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
-        self.index.apply([e])
+        # Through RemoteChanges like any entry from a peer: a replica may bring its
+        # entry before the index does (a marker that commits a step here too).
+        self.remote.apply([e])
         node = self.ns.by_global_id(self.index.resolve(e.id))
         if node is None and self.index.is_pending(e.id):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,

@@ -221,3 +221,33 @@ async def test_an_outbox_hands_out_entries_in_order_and_in_batches() -> None:
     assert [e.id for e in box.take(MAX_BATCH)] == [f"{i:032x}" for i in range(MAX_BATCH,
                                                                           MAX_BATCH + 3)]
     assert box.count() == 0
+
+
+async def test_a_marker_that_arrives_as_a_replica_commits_this_hosts_files(
+        make_host, tmp_path) -> None:
+    """A commit marker whose replica reaches this host before its index entry (its
+    writer was cut off while it committed, then pushed the replica at once) commits
+    the step here too: this host's own files in it are queued for upload. A 25-minute
+    chaos run saw them never uploaded, and the writer's marker held for good."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    a, _b = await cluster(make_host, 2, replicas=0, bucket=f"file://{bucket}", persist="step")
+    a.mkdir("step_6")  # a step committed here: the uploader is running
+    await a.write_file("step_6/.metadata", b"6")
+    await until(lambda: a.node("step_6/.metadata").persisted, what="step 6 persisted")
+    a.mkdir("step_7")
+    await a.write_file("step_7/__0_0.distcp", b"a's shard")
+    uploader = a.mount.uploader
+    assert not uploader.queue and not a.node("step_7/__0_0.distcp").persisted
+    data = b"the step's metadata"
+    e = pb.Entry(id=UNKNOWN, parent=a.node("step_7").guid, name=b".metadata", mode=0o100644,
+                 size=len(data), has_crc=True, crc32c=google_crc32c.value(data), version=1,
+                 lamport=a.mount.peers.index.clock + 5, writer="b", author="b",
+                 holders=["b"])
+    service = a.mount.peers.service
+    key, tmp = service.begin_receive(e)
+    with open(tmp, "r+b") as f:
+        f.write(data)
+    assert service.finish_receive(e, key, tmp)
+    await until(lambda: a.node("step_7/__0_0.distcp").persisted, what="a's shard persisted")
+    assert (bucket / "step_7" / "__0_0.distcp").read_bytes() == b"a's shard"
