@@ -101,8 +101,8 @@ class MountOptions:
     data_listen: str | None = None
     data_connections: int = 4
     # A reader's open of a file a peer holds waits this long for it to arrive whole
-    # (then read through passthrough), else reads it as it arrives.
-    open_wait: float = 5.0
+    # (then read through passthrough), else reads it as it arrives (0: at once).
+    open_wait: float = 0.0
     # AES-GCM encryption of the data channel's frames (else authenticated only).
     peer_encryption: bool = False
     bucket: str | None = None

@@ -245,7 +245,7 @@ def _write_on(m, name: str, data: bytes) -> None:
 def test_a_file_from_a_peer_is_read_in_ram_once_it_has_arrived(make_cluster):
     """Host b reads host a's file: b's open waits for the whole file (--open-wait) and
     the reader reads it through passthrough, not read by read through b's daemon."""
-    c = make_cluster(2, replicas=0)
+    c = make_cluster(2, replicas=0, extra=("--open-wait", "5"))
     a, b = c["a"], c["b"]
     data = blob(3, 96 * MiB)
     _write_on(a, "f", data)
@@ -281,8 +281,8 @@ def test_an_open_waits_no_longer_than_open_wait(make_cluster):
 
 
 def test_a_file_being_fetched_is_served_by_the_daemon_until_complete(make_cluster):
-    """With --open-wait 0 host b reads host a's file as it arrives: while it is
-    fetched, b's opens go through b's daemon; once fetched and released, b's next
+    """Host b reads host a's file as it arrives (--open-wait 0, the default): while it
+    is fetched, b's opens go through b's daemon; once fetched and released, b's next
     open passes through."""
     c = make_cluster(2, replicas=0, extra=("--open-wait", "0"))
     a, b = c["a"], c["b"]

@@ -62,8 +62,9 @@ from mtcfs.config import (
               help="bulk data connections per peer (0: file bytes over gRPC)  [default: 4]")
 @click.option("--open-wait", type=float, metavar="SECONDS",
               help="a reader's open of a file held by a peer waits up to SECONDS for it to "
-                   "arrive whole, then reads it in RAM (passthrough); 0: read it as it "
-                   "arrives, through the daemon  [default: 5]")
+                   "arrive whole, then reads it in RAM (passthrough): faster whole-file "
+                   "restores, but a read of a slice waits too; 0: read it as it arrives, "
+                   "through the daemon  [default: 0]")
 @click.option("--peer-encryption", is_flag=True, default=None,
               help="encrypt file bytes between peers (AES-GCM; every host alike)  "
                    "[default: authenticated, not encrypted]")

@@ -126,7 +126,7 @@ class Filesystem(Listener):
                  space: SpaceManager, durability: Durability, passthrough: Passthrough,
                  sealer: Sealer, names: Names, xattrs: Xattrs, *, node_id: str,
                  rules: StepRules, visibility_mode: str = "fsync",
-                 kernel_times: bool = False, open_wait: float = 5.0) -> None:
+                 kernel_times: bool = False, open_wait: float = 0.0) -> None:
         self.ns = ns
         self.ram = ram
         self.copies = copies
