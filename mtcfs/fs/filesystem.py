@@ -310,7 +310,7 @@ class Filesystem(Listener):
                       "rewrite or remove it", self.ns.path_of(node))
             raise FsError(errno.EIO)
         elif not node.has_data:
-            if not writable and self.passthrough.enabled:
+            if not writable:
                 await self._fetched_whole(node)
             if not node.has_data:
                 # Start fetching now; reads wait for the ranges they need.
@@ -326,14 +326,14 @@ class Filesystem(Listener):
         return fh
 
     async def _fetched_whole(self, node: Inode) -> None:
-        """A reader's open of a file that is not here, with passthrough: wait (up to
-        --open-wait) for the whole file to arrive, then read it in RAM through
-        passthrough rather than read by read through the daemon while it arrives
-        (those replies and the fetch share the host's cores). One fetched ahead (a
-        replacement's restore, a prefetch) is waited for to its end."""
+        """A reader's open of a file that is not here: one fetched whole ahead of its
+        readers (a replacement's restore, a prefetch) is waited for to its end; with
+        passthrough and --open-wait, any other a peer holds for up to that long. It
+        is then read in RAM (through passthrough) rather than read by read through
+        the daemon while it arrives (those replies and the fetch share the cores)."""
         if not self.fetcher.ahead(node):
-            if (not self.open_wait or node.size == 0 or node.state != CLOSED
-                    or not self.copies.elsewhere(node)):
+            if (not self.open_wait or not self.passthrough.enabled or node.size == 0
+                    or node.state != CLOSED or not self.copies.elsewhere(node)):
                 # Nothing to wait for; being written elsewhere (read from its writer);
                 # or only in the bucket: read as it comes.
                 return
