@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import os
 import stat
 import time
@@ -310,12 +309,23 @@ class Filesystem(Listener):
                       "rewrite or remove it", self.ns.path_of(node))
             raise FsError(errno.EIO)
         elif not node.has_data:
-            if not writable:
-                await self._fetched_whole(node)
+            if not writable and self.fetcher.ahead(node):
+                # Being fetched whole ahead of readers (a replacement's restore, a
+                # prefetch): wait for it, then read it in RAM through passthrough, not
+                # read by read through the daemon while it arrives.
+                with contextlib.suppress(OSError):  # (else: the reads say why)
+                    await self.fetcher.wait_complete(node)
             if not node.has_data:
                 # Start fetching now; reads wait for the ranges they need.
                 self.fetcher.start(node)
-                self._step_ahead(node)
+                step = self.rules.enclosing_step(self.ns, node)
+                if step is not None:  # a load reads the step's other files next
+                    self.fetcher.step_ahead(list(files_under(self.ns, step)))
+                if not writable and self._waits_whole(node):
+                    # The same for any file a peer holds, for up to --open-wait (the
+                    # daemon's replies to each read and the fetch share the cores).
+                    with trio.move_on_after(self.open_wait), contextlib.suppress(OSError):
+                        await self.fetcher.wait_complete(node)
         fh = self._open_handle(node, flags, uid, in_group)
         if writable and not node.has_data:
             try:
@@ -325,30 +335,12 @@ class Filesystem(Listener):
                 raise
         return fh
 
-    async def _fetched_whole(self, node: Inode) -> None:
-        """A reader's open of a file that is not here: one fetched whole ahead of its
-        readers (a replacement's restore, a prefetch) is waited for to its end; with
-        passthrough and --open-wait, any other a peer holds for up to that long. It
-        is then read in RAM (through passthrough) rather than read by read through
-        the daemon while it arrives (those replies and the fetch share the cores)."""
-        if not self.fetcher.ahead(node):
-            if (not self.open_wait or not self.passthrough.enabled or node.size == 0
-                    or node.state != CLOSED or not self.copies.elsewhere(node)):
-                # Nothing to wait for; being written elsewhere (read from its writer);
-                # or only in the bucket: read as it comes.
-                return
-            self.fetcher.start(node)
-            self._step_ahead(node)
-            wait = self.open_wait
-        else:
-            wait = math.inf
-        with trio.move_on_after(wait), contextlib.suppress(OSError):  # (else: reads say why)
-            await self.fetcher.wait_complete(node)
-
-    def _step_ahead(self, node: Inode) -> None:
-        step = self.rules.enclosing_step(self.ns, node)
-        if step is not None:  # a load reads the step's other files next
-            self.fetcher.step_ahead(list(files_under(self.ns, step)))
+    def _waits_whole(self, node: Inode) -> bool:
+        """A reader's open of `node`, not here, waits for it whole (--open-wait, with
+        passthrough): not one being written elsewhere (read from its writer), nor one
+        only in the bucket (read as it comes)."""
+        return (bool(self.open_wait) and self.passthrough.enabled and node.size > 0
+                and node.state == CLOSED and bool(self.copies.elsewhere(node)))
 
     def _open_handle(self, node: Inode, flags: int, uid: int = 0, in_group: bool = True) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY

@@ -34,6 +34,14 @@ def refused(code: grpc.StatusCode, fn, *args) -> str:
     return str(e.value)
 
 
+def receive(service, e: pb.Entry, data: bytes) -> bool:
+    """A replica of `e` with these bytes, received as the data channel receives one."""
+    key, tmp = service.begin_receive(e)
+    with open(tmp, "r+b") as f:
+        f.write(data)
+    return service.finish_receive(e, key, tmp)
+
+
 async def one_host(make_host) -> Host:
     (a, _b) = await cluster(make_host, 2, replicas=0)
     return a
@@ -118,11 +126,7 @@ async def test_a_replica_received_is_installed_and_counted(make_host) -> None:
     data = b"replica bytes"
     node = await b.write_file("f", data, fsync=True)
     e = b.mount.peers.index.entry_of(node)
-    service = a.mount.peers.service
-    key, tmp = service.begin_receive(e)
-    with open(tmp, "r+b") as f:
-        f.write(data)
-    assert service.finish_receive(e, key, tmp)
+    assert receive(a.mount.peers.service, e, data)
     assert a.node("f").has_data and a.mount.peers.stats.replicas_received == 1
     with open(a.mount.ram.path(a.node("f").ino), "rb") as f:
         assert f.read() == data
@@ -244,10 +248,6 @@ async def test_a_marker_that_arrives_as_a_replica_commits_this_hosts_files(
                  size=len(data), has_crc=True, crc32c=google_crc32c.value(data), version=1,
                  lamport=a.mount.peers.index.clock + 5, writer="b", author="b",
                  holders=["b"])
-    service = a.mount.peers.service
-    key, tmp = service.begin_receive(e)
-    with open(tmp, "r+b") as f:
-        f.write(data)
-    assert service.finish_receive(e, key, tmp)
+    assert receive(a.mount.peers.service, e, data)
     await until(lambda: a.node("step_7/__0_0.distcp").persisted, what="a's shard persisted")
     assert (bucket / "step_7" / "__0_0.distcp").read_bytes() == b"a's shard"

@@ -19,7 +19,7 @@ from mtcfs.fs.fuse_ops import FuseOperations
 from mtcfs.fs.state_view import STATE_XATTR
 
 from support.inprocess import Host, until
-from support.onemount import crash, mount_at, pt_write
+from support.onemount import crash, mount_at, pt_write, remounted_after_a_crash_mid_write
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
@@ -95,13 +95,7 @@ async def test_a_passthrough_writer_of_a_sealed_file_shows_it_open(tmp_path: Pat
 
 
 async def test_an_incomplete_file_is_in_no_tier(tmp_path: Path) -> None:
-    m = mount_at(tmp_path)
-    h = Host(m)
-    await h.write_file("f", b"good")
-    fh = await h.open("f", os.O_WRONLY)
-    await h.write(fh, 0, b"BAD")
-    crash(m)
-    m = mount_at(tmp_path)
+    m = await remounted_after_a_crash_mid_write(tmp_path)
     st = Host(m).state("f")
     assert (st["state"], st["lifecycle"], st["tiers"], st["crc32c"], st["holders"]) == (
         "incomplete", "incomplete", [], None, [])

@@ -22,7 +22,7 @@ from mtcfs.tiers.durable import ObjectInfo
 
 from support import simnet
 from support.inprocess import Host
-from support.onemount import crash, mount_at, pt_write
+from support.onemount import crash, mount_at, pt_write, remounted_after_a_crash_mid_write
 
 pytestmark = pytest.mark.nofuse
 
@@ -271,13 +271,7 @@ async def test_an_object_with_the_local_bytes_is_adopted_as_persisted(bucketed) 
 
 @pytest.mark.trio
 async def test_a_file_written_when_the_daemon_died_is_incomplete(tmp_path: Path) -> None:
-    m = mount_at(tmp_path)
-    h = Host(m)
-    await h.write_file("f", b"good")
-    fh = await h.open("f", os.O_WRONLY)
-    await h.write(fh, 0, b"BAD")
-    crash(m)
-    m = mount_at(tmp_path)
+    m = await remounted_after_a_crash_mid_write(tmp_path)
     h = Host(m)
     node = h.node("f")
     assert node.state == INCOMPLETE and node.crc32c is None

@@ -26,7 +26,8 @@ def mount_at(root: Path, *, passthrough: bool = False, **cli: object) -> Mount:
     store = MetaStore(os.path.join(opts.ram_dir, "meta.db"))
     backing = (Passthrough(lambda fd: 1000 + fd, lambda backing_id: None) if passthrough
                else Passthrough.unused())
-    backing.enabled = passthrough  # as the daemon records the kernel's answer at INIT
+    if passthrough:
+        backing.enable()  # as the daemon records the kernel's answer at INIT
     return build(opts, store, open_ram(opts, own_tmpfs=False),
                  KernelCache(lambda parent, name: None, lambda ino: None), backing)
 
@@ -35,6 +36,18 @@ def crash(m: Mount) -> None:
     """The daemon stops: no close, no seal; what is recorded stays."""
     m.stop()
     m.close()
+
+
+async def remounted_after_a_crash_mid_write(root: Path, name: str = "f") -> Mount:
+    """Host "a" wrote `name`, began writing it again and crashed; its mount built
+    again over the same RAM dir and metadata."""
+    m = mount_at(root)
+    h = Host(m)
+    await h.write_file(name, b"good")
+    fh = await h.open(name, os.O_WRONLY)
+    await h.write(fh, 0, b"BAD")
+    crash(m)
+    return mount_at(root)
 
 
 def pt_write(h: Host, fh: int, off: int, data: bytes) -> None:
