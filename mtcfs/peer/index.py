@@ -11,7 +11,10 @@ Because entries name their parent by id, not by path, a host's file that
 arrives after the primary renamed the tmp directory it was written into lands
 in the renamed directory (the Orbax multi-host commit). Two hosts that create
 the same directory path concurrently (every torch DCP rank mkdirs the step)
-get one merged directory: the later id becomes an alias of the local one.
+get one merged directory: the later id becomes an alias of the local one. Every
+entry of a merged directory carries its other ids, so a host that got the ids
+apart (one of them renamed before the other reached it, or learned after a
+restart) folds them into one directory there too.
 
 Files are visible to other hosts once sealed (closed): the broadcast carries
 size, crc32c, per-block crc32cs and the nodes holding that version.
@@ -113,6 +116,7 @@ class ReplicatedIndex:
             g: (lam, w, t) for g, lam, w, t in ns.store.load_tombstones()
         }
         self.aliases: dict[str, str] = {}  # a remote directory's id -> our merged directory's id
+        self.merged: dict[str, set[str]] = {}  # our directory's id -> its aliases (the inverse)
         self.pending: dict[str, list[pb.Entry]] = {}  # parent id -> entries waiting for it
         self.clock = max([n.lamport for n in ns.inodes.values()]
                          + [lam for lam, _, _ in self.tombstones.values()] + [0])
@@ -230,6 +234,8 @@ class ReplicatedIndex:
             e.has_crc, e.crc32c = True, node.crc32c
         if node.block_crcs is not None:
             e.block_crcs = node.block_crcs
+        if node.is_dir and node.guid in self.merged:
+            e.merged_ids.extend(sorted(self.merged[node.guid]))
         for p, n in node.links:
             e.links.append(pb.Link(parent=self.ns.inodes[p].guid, name=n))
         return e
@@ -291,7 +297,7 @@ class ReplicatedIndex:
         if gid != e.id and not self._linked(gid):
             # The directory it merged with is gone: the id stands for itself again (else
             # each change of it made one more node with that id).
-            del self.aliases[e.id]
+            self._unalias(e.id)
             gid = e.id
         tomb = self.tombstones.get(gid)
         if tomb is not None and (tomb[0], tomb[1]) >= entry_stamp(e):
@@ -359,10 +365,11 @@ class ReplicatedIndex:
         if existing is not None:
             if existing.is_dir and stat.S_ISDIR(e.mode):
                 # The same directory made on two hosts: one directory, two ids.
-                self.aliases[e.id] = existing.guid
+                self._alias(e.id, existing.guid)
                 if entry_stamp(e) > stamp_of(existing):
                     self._set_attrs(existing, e)
                 self._release_pending(e.id)
+                self._merge_ids(existing, e)
                 return True
             if (stamp_of(existing) >= entry_stamp(e) or existing.opens and existing.dirty
                     or existing.is_dir and existing.children):
@@ -387,10 +394,16 @@ class ReplicatedIndex:
         self.hooks.invalidate(parent, e.name, None)
         if node.is_dir:
             self._release_pending(e.id)
+            self._merge_ids(node, e)
         return True
 
     def _update(self, node: Inode, parent: Inode, e: pb.Entry) -> bool:
+        # (Whatever the stamps: that the ids name one directory never goes stale.)
+        merged = node.is_dir and self._merge_ids(node, e)
         if stamp_of(node) >= entry_stamp(e):
+            if merged:
+                self.touched.append(node)
+                return True
             if stamp_of(node) == entry_stamp(e):
                 self._sync_links(node, e)  # e.g. a link's directory arrived meanwhile
             if node.is_file and self._same_content(node, e):
@@ -407,10 +420,15 @@ class ReplicatedIndex:
                 return False
             existing = self.ns.child(parent, e.name)
             if existing is not None and existing is not node:
-                if existing.is_dir and existing.children:
+                if existing.is_dir and node.is_dir and not self.ns.is_ancestor(existing, node):
+                    # Two directories at one name are one (as two hosts' mkdirs of it).
+                    self.stats.conflicts += 1
+                    self._fold(existing, node)
+                elif existing.is_dir and existing.children:
                     self.stats.conflicts += 1
                     return False
-                self._take_name(parent, e.name, existing)
+                else:
+                    self._take_name(parent, e.name, existing)
             old_parent, old_name = self.ns.inodes[node.parent], node.name
             self.ns.rename(old_parent, old_name, parent, e.name)
             self.hooks.invalidate(old_parent, old_name, node)
@@ -505,6 +523,81 @@ class ReplicatedIndex:
         if self.copies.take_version(node, e.holders, e.persisted_version, e.generation, fresh,
                                     e.sources):
             self.disowned.append(node)
+
+    # -- directories known by several ids ---------------------------------------------
+
+    def _alias(self, other: str, gid: str) -> None:
+        """`other` names our directory `gid` from now on (and so do the ids that named
+        `other`)."""
+        if other == gid or self.aliases.get(other) == gid:
+            return
+        self._unalias(other)
+        self.aliases[other] = gid
+        ids = self.merged.setdefault(gid, set())
+        ids.add(other)
+        for o in self.merged.pop(other, ()):
+            self.aliases[o] = gid
+            ids.add(o)
+
+    def _unalias(self, other: str) -> None:
+        gid = self.aliases.pop(other, None)
+        if gid is not None and gid in self.merged:
+            self.merged[gid].discard(other)
+            if not self.merged[gid]:
+                del self.merged[gid]
+
+    def _merge_ids(self, node: Inode, e: pb.Entry) -> bool:
+        """The entry's ids of `node` (a directory): each becomes an alias of it, and one
+        that is a directory of its own here is folded into it. True when that changed
+        the tree here."""
+        folded = False
+        for gid in (e.id, *e.merged_ids):
+            other = self.ns.by_global_id(self.resolve(gid))
+            if other is node:
+                continue
+            if other is not None and other.linked:
+                if (not other.is_dir or self.ns.is_ancestor(other, node)
+                        or self.ns.is_ancestor(node, other)):
+                    self.stats.conflicts += 1
+                    log.warning("not merging %s into %s: not two sibling directories",
+                                self.ns.path_of(other), self.ns.path_of(node))
+                    continue
+                self._fold(other, node)
+                folded = True
+            else:
+                self._alias(gid, node.guid)
+            self._release_pending(gid)
+        return folded
+
+    def _fold(self, src: Inode, dst: Inode) -> None:
+        """Directory `src` is `dst` under another id: its entries move into `dst` (a
+        name in both: two directories merge, else the newer change keeps the name), it
+        goes, and its ids name `dst`."""
+        log.info("merging %s into %s: one directory made on several hosts",
+                 self.ns.path_of(src), self.ns.path_of(dst))
+        for name, ino in list((src.children or {}).items()):
+            child = self.ns.inodes[ino]
+            existing = self.ns.child(dst, name)
+            if existing is not None and existing.is_dir and child.is_dir:
+                self._fold(child, existing)
+                continue
+            if existing is not None:
+                self.stats.conflicts += 1
+                if stamp_of(existing) >= stamp_of(child):
+                    self._take_name(src, name, child)
+                    continue
+                self._take_name(dst, name, existing)
+            self.ns.rename(src, name, dst, name)
+            self.hooks.invalidate(src, name, child)
+            self.hooks.invalidate(dst, name, None)
+            self.hooks.moved(child)
+            self.touched.append(child)
+        parent = self.ns.inodes[src.parent]
+        self.ns.unlink(parent, src.name)
+        self.hooks.invalidate(parent, src.name, src)
+        self.hooks.removed(src)
+        self._alias(src.guid, dst.guid)
+        self.touched.append(dst)
 
     def _release_pending(self, gid: str) -> None:
         waiting = self.pending.pop(gid, [])

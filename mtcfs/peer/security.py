@@ -27,6 +27,7 @@ MAX_ENTRIES_PER_BATCH = 10_000
 MAX_BLOCK_CRCS = 4 * (1 << 20)  # 4 MiB of crcs: files up to 4 TiB in 4 MiB blocks
 MAX_LINKS = 1024  # further names of a hard-linked file
 MAX_MESSAGE = 16 << 20
+MAX_MERGED_IDS = 100_000  # a directory's ids: one per host that made it at once
 MAX_COUNTER = 1 << 62
 # What the filesystem makes (device nodes are inert: mounts are nodev).
 ENTRY_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
@@ -159,6 +160,13 @@ def check_entry(e: pb.Entry) -> None:
             raise BadRequest("a link inside the linked entry")
     if e.id == e.parent:
         raise BadRequest("an entry cannot be its own parent")
+    if e.merged_ids:
+        if not stat.S_ISDIR(e.mode) or len(e.merged_ids) > MAX_MERGED_IDS:
+            raise BadRequest("merged ids of a non-directory, or too many")
+        for gid in e.merged_ids:
+            check_id(gid, "merged id")
+            if gid in (ROOT_GUID, e.parent):
+                raise BadRequest("a directory merged with the root or its own parent")
 
 
 MAX_ADDRESS = 300  # host:port, or a range's end (an address and a NUL)

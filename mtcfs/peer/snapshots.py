@@ -19,7 +19,6 @@ class Index(Protocol):
 
     ns: Namespace
     tombstones: dict[str, tuple[int, str, float]]  # id -> (lamport, writer, when)
-    aliases: dict[str, str]  # a merged directory's other id -> its id
     recent: dict[str, float]  # id -> when it last changed here, oldest first
     recent_floor: float  # changes before this are not in recent
     now: Callable[[], float]
@@ -67,13 +66,13 @@ class Snapshots:
                     todo.append(ino)
         tombs = list(index.tombstones)
         inodes, visible = ns.inodes, index.visible
-        others = self._other_ids()
+        entry_of = index.entry_of
 
         def entries() -> Iterator[pb.Entry]:
             for ino in order:
                 node = inodes.get(ino)
                 if node is not None and visible(node):
-                    yield from self._entries_of(node, others)
+                    yield entry_of(node)
             now = time.time()
             for g in tombs:
                 tomb = index.tombstones.get(g)
@@ -101,37 +100,16 @@ class Snapshots:
 
     def _pieces_of(self, ids: list[str], size: int) -> Iterator[list[pb.Entry]]:
         index = self.index
-        others = self._other_ids()
 
         def entries() -> Iterator[pb.Entry]:
             for g in ids:
                 node = index.ns.by_global_id(g)
                 if node is not None and index.visible(node):
-                    yield from self._entries_of(node, others)
+                    yield index.entry_of(node)
                 elif (tomb := index.tombstones.get(g)) is not None:
                     yield removal(g, tomb)
 
         return in_pieces(entries(), size)
-
-    def _other_ids(self) -> dict[str, list[str]]:
-        """Each merged directory's other ids (the aliases, by the id they stand for)."""
-        out: dict[str, list[str]] = {}
-        for alias, gid in self.index.aliases.items():
-            out.setdefault(gid, []).append(alias)
-        return out
-
-    def _entries_of(self, node: Inode, others: dict[str, list[str]]) -> Iterator[pb.Entry]:
-        """A node's entry for a snapshot, then one per other id of a merged directory:
-        the host that made it under that id names it so in its later changes, and a
-        host that learns the directory from this snapshot must know that id too (the
-        same directory at the same name: applied, it merges again there)."""
-        e = self.index.entry_of(node)
-        yield e
-        for alias in others.get(node.guid, ()):
-            a = pb.Entry()
-            a.CopyFrom(e)
-            a.id = alias
-            yield a
 
 
 def removal(gid: str, tomb: tuple[int, str, float]) -> pb.Entry:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtcfs/peer/v1/peer.proto\x12\rmtcfs.peer.v1\"0\n\x0bGoneRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\tGoneReply\x12\x0f\n\x07probing\x18\x01 \x01(\r\"C\n\rHealthRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x0e\n\x06listen\x18\x03 \x01(\t\"\x93\x01\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x14\n\x0cram_capacity\x18\x04 \x01(\x04\x12\x10\n\x08ram_free\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\r\x12\x11\n\tdata_port\x18\x07 \x01(\r\"\xcb\x03\n\x05\x45ntry\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0b\n\x03uid\x18\x05 \x01(\r\x12\x0b\n\x03gid\x18\x06 \x01(\r\x12\x10\n\x08mtime_ns\x18\x07 \x01(\x03\x12\x10\n\x08\x63time_ns\x18\x08 \x01(\x03\x12\x0c\n\x04size\x18\t \x01(\x04\x12\x0f\n\x07has_crc\x18\n \x01(\x08\x12\x0e\n\x06\x63rc32c\x18\x0b \x01(\r\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x0f\n\x07holders\x18\r \x03(\t\x12\x0e\n\x06target\x18\x0e \x01(\x0c\x12\x0f\n\x07lamport\x18\x0f \x01(\x04\x12\x0e\n\x06writer\x18\x10 \x01(\t\x12\x0f\n\x07removed\x18\x11 \x01(\x08\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x12\n\nblock_crcs\x18\x13 \x01(\x0c\x12\x19\n\x11persisted_version\x18\x14 \x01(\x04\x12\x12\n\ngeneration\x18\x15 \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x16 \x03(\t\x12\x0c\n\x04rdev\x18\x17 \x01(\x04\x12\"\n\x05links\x18\x18 \x03(\x0b\x32\x13.mtcfs.peer.v1.Link\x12\x0e\n\x06\x61uthor\x18\x19 \x01(\t\x12\x0f\n\x07sources\x18\x1a \x03(\t\"$\n\x04Link\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\x0c\"\xaf\x01\n\x0b\x43hangeBatch\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12%\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x14.mtcfs.peer.v1.Entry\x12*\n\tcaught_up\x18\x04 \x01(\x0b\x32\x17.mtcfs.peer.v1.CaughtUp\x12)\n\x08\x63overage\x18\x05 \x01(\x0b\x32\x17.mtcfs.peer.v1.Coverage\"-\n\x08\x43\x61ughtUp\x12\r\n\x05hosts\x18\x01 \x03(\t\x12\x12\n\nsince_unix\x18\x02 \x01(\x01\"\x1d\n\x08\x43overage\x12\x11\n\tuncovered\x18\x01 \x03(\t\".\n\nBatchReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\"E\n\x0fSnapshotRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0e\n\x06listen\x18\x02 \x01(\t\x12\x0f\n\x07since_s\x18\x03 \x01(\x01\"?\n\nPushHeader\x12#\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x14.mtcfs.peer.v1.Entry\x12\x0c\n\x04path\x18\x02 \x01(\t\"T\n\tPushChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.mtcfs.peer.v1.PushHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tPushReply\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"Y\n\x0c\x46\x65tchRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x11\n\x0fListHeldRequest\"S\n\x08HeldFile\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\"H\n\rListHeldReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x17.mtcfs.peer.v1.HeldFile\"|\n\x0cMemberUpdate\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x05 \x01(\t\x12\x11\n\tdata_port\x18\x06 \x01(\r\"\x88\x02\n\rGossipMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\r\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0e\n\x06target\x18\x05 \x01(\t\x12,\n\x07updates\x18\x06 \x03(\x0b\x32\x1b.mtcfs.peer.v1.MemberUpdate\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x08 \x01(\t\x12\x11\n\tdata_port\x18\t \x01(\r\x12\x10\n\x08ram_free\x18\n \x01(\x04\x12\r\n\x05ready\x18\x0b \x01(\x08\x12\n\n\x02to\x18\x0c \x01(\t\x12\r\n\x05stamp\x18\r \x01(\x04\"\x91\x01\n\x0bTreeMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0e\n\x06origin\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\t\x12\x0b\n\x03\x61\x63k\x18\x05 \x01(\x08\x12\r\n\x05start\x18\x06 \x01(\t\x12)\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x1a.mtcfs.peer.v1.ChangeBatch\"\x08\n\x06OneWay\"\x1a\n\tTreeReply\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\x08\x32\xe8\x04\n\x04Peer\x12\x42\n\x06Health\x12\x1c.mtcfs.peer.v1.HealthRequest\x1a\x1a.mtcfs.peer.v1.HealthReply\x12\x42\n\tBroadcast\x12\x1a.mtcfs.peer.v1.ChangeBatch\x1a\x19.mtcfs.peer.v1.BatchReply\x12H\n\x08Snapshot\x12\x1e.mtcfs.peer.v1.SnapshotRequest\x1a\x1a.mtcfs.peer.v1.ChangeBatch0\x01\x12@\n\x08PushFile\x12\x18.mtcfs.peer.v1.PushChunk\x1a\x18.mtcfs.peer.v1.PushReply(\x01\x12\x44\n\tFetchFile\x12\x1b.mtcfs.peer.v1.FetchRequest\x1a\x18.mtcfs.peer.v1.DataChunk0\x01\x12H\n\x08ListHeld\x12\x1e.mtcfs.peer.v1.ListHeldRequest\x1a\x1c.mtcfs.peer.v1.ListHeldReply\x12=\n\x06Gossip\x12\x1c.mtcfs.peer.v1.GossipMessage\x1a\x15.mtcfs.peer.v1.OneWay\x12?\n\x07\x46orward\x12\x1a.mtcfs.peer.v1.TreeMessage\x1a\x18.mtcfs.peer.v1.TreeReply\x12<\n\x04Gone\x12\x1a.mtcfs.peer.v1.GoneRequest\x1a\x18.mtcfs.peer.v1.GoneReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtcfs/peer/v1/peer.proto\x12\rmtcfs.peer.v1\"0\n\x0bGoneRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\tGoneReply\x12\x0f\n\x07probing\x18\x01 \x01(\r\"C\n\rHealthRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x0e\n\x06listen\x18\x03 \x01(\t\"\x93\x01\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x14\n\x0cram_capacity\x18\x04 \x01(\x04\x12\x10\n\x08ram_free\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\r\x12\x11\n\tdata_port\x18\x07 \x01(\r\"\xdf\x03\n\x05\x45ntry\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0b\n\x03uid\x18\x05 \x01(\r\x12\x0b\n\x03gid\x18\x06 \x01(\r\x12\x10\n\x08mtime_ns\x18\x07 \x01(\x03\x12\x10\n\x08\x63time_ns\x18\x08 \x01(\x03\x12\x0c\n\x04size\x18\t \x01(\x04\x12\x0f\n\x07has_crc\x18\n \x01(\x08\x12\x0e\n\x06\x63rc32c\x18\x0b \x01(\r\x12\x0f\n\x07version\x18\x0c \x01(\x04\x12\x0f\n\x07holders\x18\r \x03(\t\x12\x0e\n\x06target\x18\x0e \x01(\x0c\x12\x0f\n\x07lamport\x18\x0f \x01(\x04\x12\x0e\n\x06writer\x18\x10 \x01(\t\x12\x0f\n\x07removed\x18\x11 \x01(\x08\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x12\n\nblock_crcs\x18\x13 \x01(\x0c\x12\x19\n\x11persisted_version\x18\x14 \x01(\x04\x12\x12\n\ngeneration\x18\x15 \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x16 \x03(\t\x12\x0c\n\x04rdev\x18\x17 \x01(\x04\x12\"\n\x05links\x18\x18 \x03(\x0b\x32\x13.mtcfs.peer.v1.Link\x12\x0e\n\x06\x61uthor\x18\x19 \x01(\t\x12\x0f\n\x07sources\x18\x1a \x03(\t\x12\x12\n\nmerged_ids\x18\x1b \x03(\t\"$\n\x04Link\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\x0c\"\xaf\x01\n\x0b\x43hangeBatch\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\x12%\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x14.mtcfs.peer.v1.Entry\x12*\n\tcaught_up\x18\x04 \x01(\x0b\x32\x17.mtcfs.peer.v1.CaughtUp\x12)\n\x08\x63overage\x18\x05 \x01(\x0b\x32\x17.mtcfs.peer.v1.Coverage\"-\n\x08\x43\x61ughtUp\x12\r\n\x05hosts\x18\x01 \x03(\t\x12\x12\n\nsince_unix\x18\x02 \x01(\x01\"\x1d\n\x08\x43overage\x12\x11\n\tuncovered\x18\x01 \x03(\t\".\n\nBatchReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0f\n\x07lamport\x18\x02 \x01(\x04\"E\n\x0fSnapshotRequest\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0e\n\x06listen\x18\x02 \x01(\t\x12\x0f\n\x07since_s\x18\x03 \x01(\x01\"?\n\nPushHeader\x12#\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x14.mtcfs.peer.v1.Entry\x12\x0c\n\x04path\x18\x02 \x01(\t\"T\n\tPushChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.mtcfs.peer.v1.PushHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tPushReply\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"Y\n\x0c\x46\x65tchRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0c\n\x04path\x18\x05 \x01(\t\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x11\n\x0fListHeldRequest\"S\n\x08HeldFile\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\r\"H\n\rListHeldReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x17.mtcfs.peer.v1.HeldFile\"|\n\x0cMemberUpdate\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x05 \x01(\t\x12\x11\n\tdata_port\x18\x06 \x01(\r\"\x88\x02\n\rGossipMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\r\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0e\n\x06target\x18\x05 \x01(\t\x12,\n\x07updates\x18\x06 \x03(\x0b\x32\x1b.mtcfs.peer.v1.MemberUpdate\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x08 \x01(\t\x12\x11\n\tdata_port\x18\t \x01(\r\x12\x10\n\x08ram_free\x18\n \x01(\x04\x12\r\n\x05ready\x18\x0b \x01(\x08\x12\n\n\x02to\x18\x0c \x01(\t\x12\r\n\x05stamp\x18\r \x01(\x04\"\x91\x01\n\x0bTreeMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0e\n\x06origin\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\t\x12\x0b\n\x03\x61\x63k\x18\x05 \x01(\x08\x12\r\n\x05start\x18\x06 \x01(\t\x12)\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x1a.mtcfs.peer.v1.ChangeBatch\"\x08\n\x06OneWay\"\x1a\n\tTreeReply\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\x08\x32\xe8\x04\n\x04Peer\x12\x42\n\x06Health\x12\x1c.mtcfs.peer.v1.HealthRequest\x1a\x1a.mtcfs.peer.v1.HealthReply\x12\x42\n\tBroadcast\x12\x1a.mtcfs.peer.v1.ChangeBatch\x1a\x19.mtcfs.peer.v1.BatchReply\x12H\n\x08Snapshot\x12\x1e.mtcfs.peer.v1.SnapshotRequest\x1a\x1a.mtcfs.peer.v1.ChangeBatch0\x01\x12@\n\x08PushFile\x12\x18.mtcfs.peer.v1.PushChunk\x1a\x18.mtcfs.peer.v1.PushReply(\x01\x12\x44\n\tFetchFile\x12\x1b.mtcfs.peer.v1.FetchRequest\x1a\x18.mtcfs.peer.v1.DataChunk0\x01\x12H\n\x08ListHeld\x12\x1e.mtcfs.peer.v1.ListHeldRequest\x1a\x1c.mtcfs.peer.v1.ListHeldReply\x12=\n\x06Gossip\x12\x1c.mtcfs.peer.v1.GossipMessage\x1a\x15.mtcfs.peer.v1.OneWay\x12?\n\x07\x46orward\x12\x1a.mtcfs.peer.v1.TreeMessage\x1a\x18.mtcfs.peer.v1.TreeReply\x12<\n\x04Gone\x12\x1a.mtcfs.peer.v1.GoneRequest\x1a\x18.mtcfs.peer.v1.GoneReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,45 +40,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREPLY']._serialized_start=193
   _globals['_HEALTHREPLY']._serialized_end=340
   _globals['_ENTRY']._serialized_start=343
-  _globals['_ENTRY']._serialized_end=802
-  _globals['_LINK']._serialized_start=804
-  _globals['_LINK']._serialized_end=840
-  _globals['_CHANGEBATCH']._serialized_start=843
-  _globals['_CHANGEBATCH']._serialized_end=1018
-  _globals['_CAUGHTUP']._serialized_start=1020
-  _globals['_CAUGHTUP']._serialized_end=1065
-  _globals['_COVERAGE']._serialized_start=1067
-  _globals['_COVERAGE']._serialized_end=1096
-  _globals['_BATCHREPLY']._serialized_start=1098
-  _globals['_BATCHREPLY']._serialized_end=1144
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1146
-  _globals['_SNAPSHOTREQUEST']._serialized_end=1215
-  _globals['_PUSHHEADER']._serialized_start=1217
-  _globals['_PUSHHEADER']._serialized_end=1280
-  _globals['_PUSHCHUNK']._serialized_start=1282
-  _globals['_PUSHCHUNK']._serialized_end=1366
-  _globals['_PUSHREPLY']._serialized_start=1368
-  _globals['_PUSHREPLY']._serialized_end=1412
-  _globals['_FETCHREQUEST']._serialized_start=1414
-  _globals['_FETCHREQUEST']._serialized_end=1503
-  _globals['_DATACHUNK']._serialized_start=1505
-  _globals['_DATACHUNK']._serialized_end=1546
-  _globals['_LISTHELDREQUEST']._serialized_start=1548
-  _globals['_LISTHELDREQUEST']._serialized_end=1565
-  _globals['_HELDFILE']._serialized_start=1567
-  _globals['_HELDFILE']._serialized_end=1650
-  _globals['_LISTHELDREPLY']._serialized_start=1652
-  _globals['_LISTHELDREPLY']._serialized_end=1724
-  _globals['_MEMBERUPDATE']._serialized_start=1726
-  _globals['_MEMBERUPDATE']._serialized_end=1850
-  _globals['_GOSSIPMESSAGE']._serialized_start=1853
-  _globals['_GOSSIPMESSAGE']._serialized_end=2117
-  _globals['_TREEMESSAGE']._serialized_start=2120
-  _globals['_TREEMESSAGE']._serialized_end=2265
-  _globals['_ONEWAY']._serialized_start=2267
-  _globals['_ONEWAY']._serialized_end=2275
-  _globals['_TREEREPLY']._serialized_start=2277
-  _globals['_TREEREPLY']._serialized_end=2303
-  _globals['_PEER']._serialized_start=2306
-  _globals['_PEER']._serialized_end=2922
+  _globals['_ENTRY']._serialized_end=822
+  _globals['_LINK']._serialized_start=824
+  _globals['_LINK']._serialized_end=860
+  _globals['_CHANGEBATCH']._serialized_start=863
+  _globals['_CHANGEBATCH']._serialized_end=1038
+  _globals['_CAUGHTUP']._serialized_start=1040
+  _globals['_CAUGHTUP']._serialized_end=1085
+  _globals['_COVERAGE']._serialized_start=1087
+  _globals['_COVERAGE']._serialized_end=1116
+  _globals['_BATCHREPLY']._serialized_start=1118
+  _globals['_BATCHREPLY']._serialized_end=1164
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1166
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1235
+  _globals['_PUSHHEADER']._serialized_start=1237
+  _globals['_PUSHHEADER']._serialized_end=1300
+  _globals['_PUSHCHUNK']._serialized_start=1302
+  _globals['_PUSHCHUNK']._serialized_end=1386
+  _globals['_PUSHREPLY']._serialized_start=1388
+  _globals['_PUSHREPLY']._serialized_end=1432
+  _globals['_FETCHREQUEST']._serialized_start=1434
+  _globals['_FETCHREQUEST']._serialized_end=1523
+  _globals['_DATACHUNK']._serialized_start=1525
+  _globals['_DATACHUNK']._serialized_end=1566
+  _globals['_LISTHELDREQUEST']._serialized_start=1568
+  _globals['_LISTHELDREQUEST']._serialized_end=1585
+  _globals['_HELDFILE']._serialized_start=1587
+  _globals['_HELDFILE']._serialized_end=1670
+  _globals['_LISTHELDREPLY']._serialized_start=1672
+  _globals['_LISTHELDREPLY']._serialized_end=1744
+  _globals['_MEMBERUPDATE']._serialized_start=1746
+  _globals['_MEMBERUPDATE']._serialized_end=1870
+  _globals['_GOSSIPMESSAGE']._serialized_start=1873
+  _globals['_GOSSIPMESSAGE']._serialized_end=2137
+  _globals['_TREEMESSAGE']._serialized_start=2140
+  _globals['_TREEMESSAGE']._serialized_end=2285
+  _globals['_ONEWAY']._serialized_start=2287
+  _globals['_ONEWAY']._serialized_end=2295
+  _globals['_TREEREPLY']._serialized_start=2297
+  _globals['_TREEREPLY']._serialized_end=2323
+  _globals['_PEER']._serialized_start=2326
+  _globals['_PEER']._serialized_end=2942
 # @@protoc_insertion_point(module_scope)

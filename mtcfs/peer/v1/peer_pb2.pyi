@@ -49,7 +49,7 @@ class HealthReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lamport: _Optional[int] = ..., failure_domain: _Optional[str] = ..., ram_capacity: _Optional[int] = ..., ram_free: _Optional[int] = ..., entries: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class Entry(_message.Message):
-    __slots__ = ("id", "parent", "name", "mode", "uid", "gid", "mtime_ns", "ctime_ns", "size", "has_crc", "crc32c", "version", "holders", "target", "lamport", "writer", "removed", "block_size", "block_crcs", "persisted_version", "generation", "dropped", "rdev", "links", "author", "sources")
+    __slots__ = ("id", "parent", "name", "mode", "uid", "gid", "mtime_ns", "ctime_ns", "size", "has_crc", "crc32c", "version", "holders", "target", "lamport", "writer", "removed", "block_size", "block_crcs", "persisted_version", "generation", "dropped", "rdev", "links", "author", "sources", "merged_ids")
     ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Entry(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     AUTHOR_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MERGED_IDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     parent: str
     name: bytes
@@ -102,7 +103,8 @@ class Entry(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[Link]
     author: str
     sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., name: _Optional[bytes] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ..., size: _Optional[int] = ..., has_crc: _Optional[bool] = ..., crc32c: _Optional[int] = ..., version: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., target: _Optional[bytes] = ..., lamport: _Optional[int] = ..., writer: _Optional[str] = ..., removed: _Optional[bool] = ..., block_size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., persisted_version: _Optional[int] = ..., generation: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., rdev: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., author: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    merged_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., name: _Optional[bytes] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ..., size: _Optional[int] = ..., has_crc: _Optional[bool] = ..., crc32c: _Optional[int] = ..., version: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., target: _Optional[bytes] = ..., lamport: _Optional[int] = ..., writer: _Optional[str] = ..., removed: _Optional[bool] = ..., block_size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., persisted_version: _Optional[int] = ..., generation: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., rdev: _Optional[int] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., author: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., merged_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Link(_message.Message):
     __slots__ = ("parent", "name")
