@@ -265,10 +265,11 @@ class Host:
                     for i in n.inodes.values() if i.linked and not (i.is_file and i.dirty)}
 
         here, loaded = view(ns), view(again)
+        differing = [(p, here[p], loaded[p]) for p in here if p in loaded and here[p] != loaded[p]]
         assert here == loaded, (f"the store differs from memory: only in memory "
                                 f"{sorted(set(here) - set(loaded))[:5]}, only stored "
                                 f"{sorted(set(loaded) - set(here))[:5]}, differing "
-                                f"{[p for p in here if p in loaded and here[p] != loaded[p]][:5]}")
+                                f"(path, in memory, stored) {differing[:5]}")
 
     def check_swim(self) -> None:
         self.call(self._check_swim)

@@ -52,6 +52,12 @@ def batches() -> list[pb.ChangeBatch]:
         pb.ChangeBatch(from_node=PEER_NODE, entries=[renamed]),
         pb.ChangeBatch(from_node=PEER_NODE, entries=[linked]),
         pb.ChangeBatch(from_node=PEER_NODE, entries=[holders]),
+        # The step made under another id, renamed, naming d2 as its other id: the
+        # receiver folds its d2 into it.
+        pb.ChangeBatch(from_node=PEER_NODE, entries=[
+            pb.Entry(id="d0000000000000000000000000000003", parent=ROOT_GUID,
+                     name=b"step_2.mtcfs-withdrawn", mode=0o40755, lamport=_lamport(4),
+                     writer=PEER_NODE, merged_ids=[d2])]),
         pb.ChangeBatch(from_node=PEER_NODE, entries=[
             pb.Entry(id=SMALL, lamport=_lamport(9), writer=PEER_NODE, removed=True)]),
         pb.ChangeBatch(from_node=PEER_NODE, caught_up=pb.CaughtUp(hosts=[PEER],

@@ -16,12 +16,9 @@ out as on tmpfs. fallocate(2) runs in every mode tmpfs has (0, KEEP_SIZE,
 PUNCH_HOLE|KEEP_SIZE) and in some it refuses (EOPNOTSUPP on both).
 
 Not compared, by design: timestamps, directory st_size (mtcfs reports 0), the
-virtual `user.mtcfs.*` attributes, which only mtcfs has, and st_blocks. One
-documented difference is encoded explicitly: mtcfs keeps files up to
-MAX_FILE_SIZE (1 TiB); making one larger (truncate, ftruncate, a write past
-the limit) fails with EFBIG where tmpfs succeeds (a write may instead be cut
-short at the limit). The reference is then put back as it was, and nothing
-else may differ.
+virtual `user.mtcfs.*` attributes, which only mtcfs has, and st_blocks. Files larger
+than 1 TiB (MAX_SHARED_SIZE) are made and kept as on tmpfs: mtcfs keeps them on
+their writer's host only, which this single mount does not see.
 
 Known mtcfs bugs (KNOWN_BUGS) are not triggered by default, so that the run
 checks everything else; MTCFS_POSIX_KNOWN_BUGS=1 triggers them too.
@@ -59,7 +56,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from mtcfs.fs.filesystem import MAX_FILE_SIZE
+from mtcfs.core.versions import MAX_SHARED_SIZE
 
 from support.mounts import BOTH_DATA_PATHS
 
@@ -106,8 +103,6 @@ SETID = stat.S_ISUID | stat.S_ISGID
 # While listed, the model does not make the calls that trigger them (counted as
 # "(known bug, not run)"); remove an entry once the bug is fixed.
 KNOWN_BUGS = {
-    "write-past-max": "a write past MAX_FILE_SIZE succeeds (passthrough: the file grows "
-                      "beyond it; fuse: close() fails with EIO and the data is lost)",
     "chown-nothing-by-other": "passthrough: chown(f, -1, -1) by a user who does not own a "
                               "set-id regular file succeeds (tmpfs: EPERM); without the "
                               "writeback cache the kernel sends it as the same setattr of "
@@ -170,14 +165,15 @@ offsets = st.one_of(
     st.sampled_from((0, 1, 4095, 4096, 4097, 65536, 131072 - 1, 200_000)),
     st.integers(0, 300_000),
 )
-# Sizes and offsets near and past mtcfs's limit (sparse on both sides). Files near
-# 1 TiB are few: mtcfs checksums a file at every close, ~50 ms for one that large.
-big_sizes = st.sampled_from(((1 << 32) + 1, MAX_FILE_SIZE - 4096, MAX_FILE_SIZE,
-                             MAX_FILE_SIZE + 1, MAX_FILE_SIZE + 4096, 1 << 41,
-                             999_999_999_999_999, MAX_FILE_SIZE + 1, 1 << 41, (1 << 63) - 1))
+# Sizes and offsets near and past the largest file mtcfs shares (sparse on both sides).
+# Files near 1 TiB are few: mtcfs checksums a file at every close, ~50 ms for one that
+# large.
+big_sizes = st.sampled_from(((1 << 32) + 1, MAX_SHARED_SIZE - 4096, MAX_SHARED_SIZE,
+                             MAX_SHARED_SIZE + 1, MAX_SHARED_SIZE + 4096, 1 << 41,
+                             999_999_999_999_999, MAX_SHARED_SIZE + 1, 1 << 41, (1 << 63) - 1))
 big_offsets = st.sampled_from(((1 << 32) - 3, (1 << 33) + 4095, (1 << 32) - 3,
-                               MAX_FILE_SIZE - 70_000, MAX_FILE_SIZE - 5, MAX_FILE_SIZE,
-                               MAX_FILE_SIZE + 4096))
+                               MAX_SHARED_SIZE - 70_000, MAX_SHARED_SIZE - 5, MAX_SHARED_SIZE,
+                               MAX_SHARED_SIZE + 4096))
 any_offsets = st.one_of(offsets, offsets, offsets, big_offsets)
 payloads = st.one_of(
     st.binary(max_size=64),
@@ -423,7 +419,6 @@ _HELPER = r"""
 import ctypes, errno, json, os, sys
 
 roots = [int(sys.argv[1]), int(sys.argv[2])]
-MAX = int(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                            ctypes.c_uint]
@@ -517,7 +512,7 @@ class SecondUser:
         self.dir_fds = [os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in (mnt_root, ref_root)]
         python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
         self.proc = subprocess.Popen(
-            [python, "-I", "-c", _HELPER, *map(str, self.dir_fds), str(MAX_FILE_SIZE)],
+            [python, "-I", "-c", _HELPER, *map(str, self.dir_fds)],
             user=USER, group=USER, extra_groups=[], pass_fds=self.dir_fds, cwd="/",
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
@@ -585,20 +580,10 @@ class PosixModel(RuleBasedStateMachine):
 
     # -- helpers -------------------------------------------------------------
 
-    def both(self, desc: str, fn: Callable[[str], Any], past_max: bool = False,
-             undo: Callable[[], None] | None = None) -> Outcome:
-        """Run fn(root) on mtcfs and on tmpfs; both outcomes must be equal. past_max: the
-        call makes a file larger than MAX_FILE_SIZE where it succeeds: mtcfs must fail
-        with EFBIG (the documented difference), and undo() puts the reference back."""
+    def both(self, desc: str, fn: Callable[[str], Any]) -> Outcome:
+        """Run fn(root) on mtcfs and on tmpfs; both outcomes must be equal."""
         got = attempt(lambda: fn(self.m))
         want = attempt(lambda: fn(self.r))
-        if past_max and want[0] == "ok":
-            if got == ("error", "EFBIG") and undo is not None:
-                undo()
-            self.check(got == ("error", "EFBIG"),
-                       f"{desc}: mtcfs -> {got!r}, expected EFBIG (tmpfs -> {want!r})")
-            self._count(desc, ("error", "EFBIG (tmpfs: ok)"))
-            return got
         self.check(got == want, f"{desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
         self._count(desc, got)
         return got
@@ -887,51 +872,15 @@ class PosixModel(RuleBasedStateMachine):
     # -- file data ---------------------------------------------------------------
 
     def _write(self, desc: str, ref: str | None, payload: bytes, start: int | None,
-               fn: Callable[[str], Any], fd_r: int | None = None) -> None:
+               fn: Callable[[str], Any]) -> None:
         """A write of `payload` at `start` (on the reference; None: not a regular file,
-        or it will fail) by fn(root). ref: a path of the reference file, to put it back
-        when mtcfs refuses a write past MAX_FILE_SIZE (EFBIG), or cuts it short there;
-        fd_r: the reference's fd written through (its offset is put back too)."""
+        or it will fail) by fn(root). ref: a path of the reference file."""
         if (start is not None and ref is not None and self.data_path == "fuse"
                 and "writeback-kills-setid" in self.known_bugs
                 and self.avoid("writeback-kills-setid",
                                self._user_writer_on(os.stat(ref).st_ino))):
             return
-        if start is None or ref is None or not payload or start + len(payload) <= MAX_FILE_SIZE:
-            self.both(desc, fn)
-            return
-        if self.avoid("write-past-max", True):
-            return
-        s = os.stat(ref)
-        old_size = s.st_size
-        with open(ref, "rb") as f:
-            f.seek(start)
-            old_bytes = f.read(len(payload))
-        old_pos = os.lseek(fd_r, 0, os.SEEK_CUR) if fd_r is not None else None
-        got = attempt(lambda: fn(self.m))
-        want = attempt(lambda: fn(self.r))
-        if want[0] != "ok":
-            self.check(got == want, f"{desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
-            self._count(desc, got)
-            return
-        short = MAX_FILE_SIZE - start
-        value = want[1]
-        cut = (short if isinstance(value, int) else (short, MAX_FILE_SIZE))
-        if got == ("error", "EFBIG"):
-            with open(ref, "r+b") as f:  # as it was
-                f.seek(start)
-                f.write(old_bytes)
-                f.truncate(old_size)
-            if fd_r is not None:
-                os.lseek(fd_r, old_pos, os.SEEK_SET)
-        elif short > 0 and got == ("ok", cut):
-            os.truncate(ref, max(old_size, MAX_FILE_SIZE))  # cut short at the limit
-            if fd_r is not None and not isinstance(value, int):
-                os.lseek(fd_r, MAX_FILE_SIZE, os.SEEK_SET)
-        else:
-            self.check(False, f"{desc}: mtcfs -> {got!r}, expected EFBIG or a write cut "
-                              f"short at {MAX_FILE_SIZE} (tmpfs -> {want!r})")
-        self._count(desc, ("error", "EFBIG (tmpfs: ok)") if got[0] == "error" else got)
+        self.both(desc, fn)
 
     def _regular_size(self, path: str) -> int | None:
         s = _stat(os.path.join(self.r, path))
@@ -939,7 +888,7 @@ class PosixModel(RuleBasedStateMachine):
 
     @rule(data=st.data(), off=any_offsets, payload=payloads)
     def pwrite(self, data: st.DataObject, off: int, payload: bytes) -> None:
-        # Sparse writes at large offsets too, up to and past MAX_FILE_SIZE.
+        # Sparse writes at large offsets too, up to and past MAX_SHARED_SIZE.
         path = self.pick(data, "file")
 
         def op(root: str) -> int:
@@ -979,11 +928,8 @@ class PosixModel(RuleBasedStateMachine):
     @rule(data=st.data(), size=big_sizes)
     def truncate_big(self, data: st.DataObject, size: int) -> None:
         path = self.pick(data, "file")
-        old = self._regular_size(path)
         self.both(f"truncate({path!r}, {size})",
-                  lambda root: os.truncate(os.path.join(root, path), size),
-                  past_max=size > MAX_FILE_SIZE,
-                  undo=lambda: os.truncate(os.path.join(self.r, path), old or 0))
+                  lambda root: os.truncate(os.path.join(root, path), size))
 
     @rule(data=st.data(), off=any_offsets, size=st.integers(0, 70_000))
     def pread(self, data: st.DataObject, off: int, size: int) -> None:
@@ -1034,8 +980,7 @@ class PosixModel(RuleBasedStateMachine):
                   fn: Callable[[int], Any]) -> None:
         fds = {self.m: pair.fd_m, self.r: pair.fd_r}
         ref = f"/proc/self/fd/{pair.fd_r}" if pair.open else None
-        self._write(f"fd {desc} on {pair!r}", ref, payload, start, lambda root: fn(fds[root]),
-                    pair.fd_r if pair.open else None)
+        self._write(f"fd {desc} on {pair!r}", ref, payload, start, lambda root: fn(fds[root]))
 
     @rule(pair=fds, off=any_offsets, payload=payloads)
     def fd_pwrite(self, pair: Pair, off: int, payload: bytes) -> None:
@@ -1058,19 +1003,13 @@ class PosixModel(RuleBasedStateMachine):
     @rule(pair=fds, size=st.one_of(offsets, big_sizes))
     def fd_truncate(self, pair: Pair, size: int) -> None:
         fds = {self.m: pair.fd_m, self.r: pair.fd_r}
-        old = self._fd_start(pair, 0) is not None and os.fstat(pair.fd_r).st_size
-        self.both(f"fd ftruncate({size}) on {pair!r}", lambda root: os.ftruncate(fds[root], size),
-                  past_max=size > MAX_FILE_SIZE,
-                  undo=lambda: os.ftruncate(pair.fd_r, old or 0))
+        self.both(f"fd ftruncate({size}) on {pair!r}", lambda root: os.ftruncate(fds[root], size))
 
     @rule(pair=fds, mode=falloc_modes, off=any_offsets, length=falloc_lengths)
     def fd_fallocate(self, pair: Pair, mode: int, off: int, length: int) -> None:
         fds = {self.m: pair.fd_m, self.r: pair.fd_r}
-        old = self._fd_start(pair, 0) is not None and os.fstat(pair.fd_r).st_size
         self.both(f"fd fallocate(mode={mode:#x}, off={off}, len={length}) on {pair!r}",
-                  lambda root: fallocate(fds[root], mode, off, length),
-                  past_max=not mode & FALLOC_FL_KEEP_SIZE and off + length > MAX_FILE_SIZE,
-                  undo=lambda: os.ftruncate(pair.fd_r, old or 0))
+                  lambda root: fallocate(fds[root], mode, off, length))
 
     @rule(pair=fds)
     def fd_fstat(self, pair: Pair) -> None:
@@ -1140,10 +1079,6 @@ class PosixModel(RuleBasedStateMachine):
     def user_write(self, data: st.DataObject, off: int, payload: bytes) -> None:
         # off -1: O_APPEND
         path = self.pick_for_user(data, "file", prefer="writable")
-        s = _stat(os.path.join(self.r, path))
-        if (s is not None and stat.S_ISREG(s.st_mode)
-                and (s.st_size if off < 0 else off) + len(payload) > MAX_FILE_SIZE):
-            return  # (writes past the limit are the root rules')
         self.as_user("user write", f"{'append' if off < 0 else 'pwrite'}({path!r}, "
                      f"<{len(payload)} bytes>, off={off})", "write", path, off, payload.hex(),
                      watch=path)
@@ -1151,21 +1086,7 @@ class PosixModel(RuleBasedStateMachine):
     @rule(data=st.data(), size=st.one_of(offsets, offsets, big_sizes))
     def user_truncate(self, data: st.DataObject, size: int) -> None:
         path = self.pick_for_user(data, "file", prefer="writable")
-        s = _stat(os.path.join(self.r, path))
         desc = f"truncate({path!r}, {size})"
-        if size > MAX_FILE_SIZE:
-            got, want = self.user("truncate", path, size)
-            if want[0] == "ok":
-                self.check(got == ("error", "EFBIG"),
-                           f"as uid {USER}: {desc}: mtcfs -> {got!r}, expected EFBIG")
-                os.truncate(os.path.join(self.r, path), s.st_size if s is not None else 0)
-                if s is not None:
-                    os.chmod(os.path.join(self.r, path), stat.S_IMODE(s.st_mode))
-                self._count("user truncate", ("error", "EFBIG (tmpfs: ok)"))
-                return
-            self.check(got == want, f"as uid {USER}: {desc}: mtcfs -> {got!r}, tmpfs -> {want!r}")
-            self._count("user truncate", got)
-            return
         self.as_user("user truncate", desc, "truncate", path, size, watch=path)
 
     # Namespace calls as the second user: sticky directories (EPERM for others' names),
@@ -1291,8 +1212,6 @@ class PosixModel(RuleBasedStateMachine):
         s = self._user_fd_stat(pair)
         if s is not None and stat.S_ISREG(s[0]) and payload:
             mode, gid, size, pos, _ = s
-            if (size if pair.flags & os.O_APPEND else pos) + len(payload) > MAX_FILE_SIZE:
-                return  # (writes past the limit are the root rules')
             if mode & SETID:
                 COVERAGE[("user fd write", "on a set-id file")] += 1
         before = s[0] if s is not None else 0
@@ -1392,9 +1311,6 @@ EXPECTED_COVERAGE = [
     # fallocate: the modes tmpfs has, and those it refuses
     ("fd fallocate", "ok"), ("fd fallocate", "ENOTSUP"),
     ("user fd fallocate", "ok"), ("user fd fallocate", "cleared set-id"),
-    # past mtcfs's 1 TiB limit (the documented difference)
-    ("truncate", "EFBIG (tmpfs: ok)"), ("fd ftruncate", "EFBIG (tmpfs: ok)"),
-    ("user truncate", "EFBIG (tmpfs: ok)"),
 ]
 # Outcomes the same 300 sequences reach in some runs and not in others (they hinge on
 # which names earlier steps left behind, and those on timing of the second user's
@@ -1404,8 +1320,6 @@ RARE = {
     ("user rename[sticky]", "EPERM"): "test_a_user_is_refused_where_tmpfs_refuses",
     ("user unlink[sticky]", "EPERM"): "test_a_user_is_refused_where_tmpfs_refuses",
     ("user unlink[sticky]", "ok"): "test_a_user_is_refused_where_tmpfs_refuses",
-    ("fd ftruncate", "EFBIG (tmpfs: ok)"):
-        "test_huge_lengths_fail_at_once_and_sparse_files_are_cheap",
     ("open_fd", "EACCES"): "test_device_nodes_fifos_and_sockets_are_inert_nodes",
     ("user fd ftruncate", "ok"): "test_a_user_ftruncates_through_its_own_descriptor",
     ("user fd write", "cleared set-id"):

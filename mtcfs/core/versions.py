@@ -12,6 +12,20 @@ from __future__ import annotations
 
 from mtcfs.core.namespace import CLOSED, INCOMPLETE, OPEN, SEALING, Inode
 
+# The largest file mtcfs checksums, copies to peers and persists (its per-block
+# crc32cs take 1 MiB, in the index and on every host). A larger one (sparse: a
+# truncate or a write far past the end) is kept as tmpfs keeps it, on the host
+# that wrote it only: sealed without checksums, never replicated or uploaded. The
+# kernel gives no way to refuse such a write through passthrough (it never asks
+# the daemon), so a limit here would only turn it into an error at close.
+MAX_SHARED_SIZE = 1 << 40
+
+
+def local_only(node: Inode) -> bool:
+    """A sealed version kept on its writer's host only (larger than MAX_SHARED_SIZE:
+    no checksums to verify a copy by)."""
+    return node.crc32c is None and node.size > MAX_SHARED_SIZE
+
 
 class Versions:
     def __init__(self, node_id: str) -> None:
@@ -38,13 +52,15 @@ class Versions:
         node.state = SEALING
         return True
 
-    def sealed(self, node: Inode, crc: int, blocks: bytes | None) -> bool:
-        """Sealed here with these checksums. Returns whether that is a new version:
-        a write-open that changed nothing (same checksums and size, sealed here, not
-        a cache copy) keeps its version, whose copies and object stay good."""
-        same = (node.version > 0 and node.crc32c == crc and node.block_crcs == blocks
-                and node.size == node.sealed_size and node.state != INCOMPLETE
-                and not node.cached and node.author == self.node_id)
+    def sealed(self, node: Inode, crc: int | None, blocks: bytes | None) -> bool:
+        """Sealed here with these checksums (None: a file too large to share, always a
+        new version). Returns whether that is a new version: a write-open that
+        changed nothing (same checksums and size, sealed here, not a cache copy)
+        keeps its version, whose copies and object stay good."""
+        same = (crc is not None and node.version > 0 and node.crc32c == crc
+                and node.block_crcs == blocks and node.size == node.sealed_size
+                and node.state != INCOMPLETE and not node.cached
+                and node.author == self.node_id)
         node.crc32c = crc
         node.block_crcs = blocks
         node.state = CLOSED
@@ -56,13 +72,14 @@ class Versions:
     # -- start-up ----------------------------------------------------------------------
 
     @staticmethod
-    def recovered(node: Inode, size: int, crc: int, blocks: bytes | None,
+    def recovered(node: Inode, size: int, crc: int | None, blocks: bytes | None,
                   same_version: bool) -> bool:
         """Start-up found the file's data in the RAM dir with these checksums and
         seals it. `same_version`: it was accepted only as its last sealed version.
         Returns whether that is a new version (closed by its writer, its checksum
         not recorded before the daemon stopped, and different)."""
-        new = not same_version and not (crc == node.crc32c and size == node.size)
+        new = not same_version and (crc is None or not (crc == node.crc32c
+                                                         and size == node.size))
         if new:
             node.version += 1
         node.size, node.crc32c, node.block_crcs, node.state = size, crc, blocks, CLOSED

@@ -60,11 +60,6 @@ class Durability(Protocol):
     async def wait(self, node: Inode) -> None: ...
 
 
-# The largest file mtcfs keeps (truncate or write beyond it: EFBIG). Per-block
-# crc32cs of a file this size take 1 MiB, in the index and on every host.
-MAX_FILE_SIZE = 1 << 40
-
-
 SETID = stat.S_ISUID | stat.S_ISGID
 
 # The fallocate(2) modes tmpfs has: allocate (and extend), allocate past the end, punch
@@ -218,8 +213,6 @@ class Filesystem(Listener):
                 raise FsError(errno.EISDIR)
             if not node.is_file:
                 raise FsError(errno.EINVAL)
-            if size > MAX_FILE_SIZE:
-                raise FsError(errno.EFBIG)
             if node.state == INCOMPLETE and size != 0:
                 # Keeping part of an interrupted write would seal it as good.
                 log.error("refusing to truncate %s to %d bytes: it is incomplete; "
@@ -408,8 +401,6 @@ class Filesystem(Listener):
         self.sealer.writing(node)
         if h.append:
             off = node.size
-        if off + len(buf) > MAX_FILE_SIZE:
-            raise FsError(errno.EFBIG)
         if node.mode & SETID and h.uid != 0:
             self._kill_privs(node, h.in_group)
         try:
@@ -462,8 +453,6 @@ class Filesystem(Listener):
         end = off + length
         self.sealer.refresh(node)  # written through passthrough: the RAM file's size
         grows = not mode & FALLOC_FL_KEEP_SIZE and end > node.size
-        if grows and end > MAX_FILE_SIZE:
-            raise FsError(errno.EFBIG)
         await self.open_for_write(node)
         punch = bool(mode & FALLOC_FL_PUNCH_HOLE)
         need = 0 if punch else await self._room_to_allocate(h, off, end)

@@ -21,7 +21,7 @@ from mtcfs.core.copies import Copies
 from mtcfs.core.events import Listener
 from mtcfs.core.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.core.steps import dirs_under
-from mtcfs.core.versions import Versions
+from mtcfs.core.versions import MAX_SHARED_SIZE, Versions
 from mtcfs.tiers.ram import RamTier
 
 
@@ -234,6 +234,12 @@ class Sealer:
             self.refresh(node)  # written through passthrough: the RAM file says how big
             self.unstreamed(node)
             stamp = self._stamp(node)  # before the pass: a later write changes it
+        if node.size > MAX_SHARED_SIZE:
+            # Kept here only, as tmpfs keeps it: no checksums (mtcfs.core.versions).
+            self._crc.pop(node.ino, None)
+            self._seal_stamp.pop(node.ino, None)
+            self._seal_now(node, None, None)
+            return True
         stream = self.stream(node)
         crc, blocks = stream.result(node.size), stream.blocks(node.size)
         while crc is None or blocks is None:
@@ -290,7 +296,7 @@ class Sealer:
         """A regular file made by mknod: sealed empty at once."""
         self._seal_now(node, 0, b"")
 
-    def _seal_now(self, node: Inode, crc: int, blocks: bytes | None) -> None:
+    def _seal_now(self, node: Inode, crc: int | None, blocks: bytes | None) -> None:
         node.dirty = False
         if self.versions.sealed(node, crc, blocks):
             self.copies.sealed_here(node)

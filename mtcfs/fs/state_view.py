@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtcfs.core.checksums import format_crc
 from mtcfs.core.namespace import CLOSED, INCOMPLETE, OPEN, Inode
+from mtcfs.core.versions import local_only
 
 if TYPE_CHECKING:
     from mtcfs.core.copies import Copies
@@ -88,9 +89,12 @@ class FileStateView:
         """Where the file is in its lifecycle (docs/semantics.md), as seen from this host:
         open, incomplete, closed, replicated (K peer copies), persisted, evictable
         (this host's copy may go), evicted (written here, metadata only here now),
-        remote (another host's file, not in this host's RAM)."""
+        remote (another host's file, not in this host's RAM), local-only (larger
+        than MAX_SHARED_SIZE: kept on its writer's host only)."""
         if node.state != CLOSED:
             return node.state
+        if local_only(node):
+            return "local-only"
         if not here:
             # Written here and dropped: evicted; another host's file: remote.
             return "evicted" if node.author in ("", self.node_id) else "remote"

@@ -368,6 +368,7 @@ class ReplicatedIndex:
                 self._alias(e.id, existing.guid)
                 if entry_stamp(e) > stamp_of(existing):
                     self._set_attrs(existing, e)
+                    self.ns.persist(existing)
                 self._release_pending(e.id)
                 self._merge_ids(existing, e)
                 return True

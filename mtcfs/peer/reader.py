@@ -5,6 +5,7 @@ verified), or from the bucket together with the other hosts reading it through
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -19,6 +20,7 @@ import trio
 from mtcfs.core.checksums import BLOCK, BlockVerifier, IntegrityError, block_count
 from mtcfs.core.copies import Copies
 from mtcfs.core.namespace import Inode, Namespace
+from mtcfs.core.versions import MAX_SHARED_SIZE, local_only
 from mtcfs.peer import restore
 from mtcfs.peer.datachannel import DataChannel
 from mtcfs.peer.membership import Membership, Peer
@@ -168,6 +170,9 @@ class PeerReader:
         no holder could deliver it. Over the data channel, blocks come from every
         holder that offers one at once (striped); else from one holder at a time over
         gRPC, the next resuming where the last stopped."""
+        if local_only(node):
+            raise PeerFetchError(errno.EIO, f"larger than {MAX_SHARED_SIZE >> 40} TiB: kept "
+                                 f"unchecksummed on {node.author or 'its writer'} only")
         version, size = node.version, node.size
         good = [0]  # bytes from offset 0 verified so far: the next holder resumes there
         errors = []

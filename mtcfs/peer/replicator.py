@@ -22,6 +22,7 @@ import trio
 from mtcfs.core.copies import Copies
 from mtcfs.core.namespace import CLOSED, Inode, Namespace
 from mtcfs.core.retired import RetiredSteps
+from mtcfs.core.versions import local_only
 from mtcfs.fs.writeclock import WriteClock
 from mtcfs.peer import mover, placement
 from mtcfs.peer.datachannel import DataChannel
@@ -77,6 +78,8 @@ class ReplicationQueue:
         self._wake = trio.Event()
 
     def add(self, node: Inode, wake: bool = True) -> None:
+        if local_only(node):
+            return  # no checksums to verify a copy by: kept on this host only
         self.waiting[node.ino] = node
         if wake:
             self._wake.set()

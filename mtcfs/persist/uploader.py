@@ -43,6 +43,7 @@ from mtcfs.core.copies import Copies
 from mtcfs.core.events import Listener
 from mtcfs.core.namespace import CLOSED, Inode, Namespace
 from mtcfs.core.steps import StepRules, all_steps, dirs_under, files_under, newest_complete_step
+from mtcfs.core.versions import MAX_SHARED_SIZE, local_only
 from mtcfs.persist.attempts import Backoff, Stats
 from mtcfs.persist.deletes import Deletes
 from mtcfs.persist.markers import Links, Markers, temporary_below
@@ -340,6 +341,10 @@ class Uploader(Listener):
         # (from its copy, fetched first if need be; see _next_job).
         if node.persisted or not (self.owns(node) or node.ino in self.requested):
             return
+        if local_only(node):
+            log.warning("not uploading %s: larger than %d TiB, it is kept on this host only",
+                        self.ns.path_of(node), MAX_SHARED_SIZE >> 40)
+            return
         self.queue[node.ino] = node
         self._lot.unpark_all()
 
@@ -442,7 +447,7 @@ class Uploader(Listener):
     def _next_job(self) -> Inode | None:
         self.markers.forget_unqueued(self.queue)
         for ino, node in list(self.queue.items()):
-            if not node.linked or node.state != CLOSED or node.persisted:
+            if not node.linked or node.state != CLOSED or node.persisted or local_only(node):
                 del self.queue[ino]
                 continue
             if not node.has_data:

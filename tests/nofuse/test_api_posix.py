@@ -10,7 +10,8 @@ import stat
 
 import pytest
 
-from mtcfs.fs.filesystem import MAX_FILE_SIZE, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError
+from mtcfs.core.versions import MAX_SHARED_SIZE
+from mtcfs.fs.filesystem import RENAME_EXCHANGE, RENAME_NOREPLACE, FsError
 
 from support.inprocess import Host
 
@@ -128,7 +129,7 @@ async def test_device_nodes_fifos_symlinks(make_host) -> None:
     assert reg.size == 0 and h.state("reg")["state"] == "closed"
 
 
-async def test_truncate_and_efbig(make_host) -> None:
+async def test_truncate_and_files_too_large_to_share(make_host) -> None:
     h: Host = await make_host()
     data = os.urandom(200_000)
     await h.write_file("f", data)
@@ -136,10 +137,17 @@ async def test_truncate_and_efbig(make_host) -> None:
     assert node.size == 1000 and await h.read_file("f") == data[:1000]
     await h.fs.setattr(h.node("f"), size=5000)  # grows with zeros
     assert await h.read_file("f") == data[:1000] + bytes(4000)
-    await expect(errno.EFBIG, h.fs.setattr, h.node("f"), size=MAX_FILE_SIZE + 1)
+    # Larger than the largest shared file: kept as tmpfs keeps it, here only (no
+    # checksums, no copies, no upload), and shared again once it is small.
+    await h.fs.setattr(h.node("f"), size=MAX_SHARED_SIZE + 1)
     fh = await h.open("f", os.O_WRONLY)
-    await expect(errno.EFBIG, h.fs.write, fh, MAX_FILE_SIZE, b"x")
+    h.fs.write(fh, MAX_SHARED_SIZE + 10, b"x")
     await h.close(fh)
+    st = h.state("f")
+    assert st["size"] == MAX_SHARED_SIZE + 11 and st["lifecycle"] == "local-only"
+    assert st["crc32c"] is None and st["version"] >= 1
+    await h.fs.setattr(h.node("f"), size=1000)
+    assert h.state("f")["crc32c"] is not None and await h.read_file("f") == data[:1000]
     await expect(errno.EISDIR, h.fs.setattr, h.node(""), size=0)
 
 

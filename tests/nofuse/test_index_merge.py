@@ -173,3 +173,19 @@ def test_merged_ids_of_a_file_or_the_root_are_refused() -> None:
     d.ClearField("merged_ids")
     d.merged_ids.append("d7")
     check_entry(d)
+
+
+def test_a_merged_directory_newer_elsewhere_is_stored_as_it_is_in_memory(
+        tmp_path: Path) -> None:
+    """The fuzzer's finding: a directory merged with a newer one took its attributes in
+    memory only; a restart loaded the older ones."""
+    h = simnet.IndexStore("h1", str(tmp_path / "h1"))
+    h.index.apply([simnet.entry("d1", "root", "step_3", 10, "h1", is_dir=True)])
+    newer = simnet.entry("d0", "root", "step_3", 20, "h0", is_dir=True)
+    newer.mode = 0o40700
+    h.index.apply([newer])
+    h.close()
+    again = simnet.IndexStore("h1", str(tmp_path / "h1"))
+    d = again.index.ns.by_global_id("d1")
+    assert (d.lamport, d.writer, d.mode & 0o777) == (20, "h0", 0o700)
+    again.close()
