@@ -4,7 +4,13 @@ The whole prefix is listed when the daemon starts (before the mount is
 announced live, so a fresh mount over a bucket shows every step at once) and
 again every `refresh` seconds in the background. A refresh adds objects that
 appeared and picks up newer generations of files this node holds only as
-persisted copies; it never removes or overwrites local changes.
+persisted copies; it never removes or overwrites local changes. What it does
+remove, on every host, are ghosts: entries known only from a listing (never
+written or changed by any host, no copy anywhere) whose object is gone. A host
+that starts with an empty RAM dir lists the bucket while a rename's old objects
+(a withdrawn or reinstated step's other name) are not deleted yet; it cannot
+tell them from the live ones, so it merges both and announces them to the
+others. Once their delete lands, every host's next listing drops them.
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ class BucketListing:
                     changed += 1
             if full:
                 self._forget_vanished(seen)
+            else:
+                self._forget_ghosts(seen)
         return changed
 
     def _merge_object(self, obj: ObjectInfo) -> Inode | None:
@@ -172,6 +180,9 @@ class BucketListing:
         for node in list(self.ns.files()):
             if node.ino in seen or not node.generation or not node.linked:
                 continue
+            if self._ghost(node):
+                self._remove_ghost(node)
+                continue
             self.copies.unpersisted(node)  # ours is now the only copy: persisted again
             if not (node.has_data or node.opens):
                 log.warning("%s is gone from the bucket and not in RAM: removing it",
@@ -179,6 +190,39 @@ class BucketListing:
                 for parent, name in self.ns.unlink_all(node):
                     self.kernel.entry(parent.ino, name)
                 self.events.remote_removed(node)
+
+    def _forget_ghosts(self, seen: set[int]) -> None:
+        for node in list(self.ns.files()):
+            if node.ino not in seen and node.generation and node.linked and self._ghost(node):
+                self._remove_ghost(node)
+
+    @staticmethod
+    def _ghost(node: Inode) -> bool:
+        """Known only from a bucket listing (here or on the host that announced it: no
+        host ever stamped a change of it), with no copy anywhere but that object."""
+        return (node.lamport == 0 and not node.writer and not node.holders
+                and not node.has_data and not node.opens and not node.links)
+
+    def _remove_ghost(self, node: Inode) -> None:
+        """Removed on every host (a tombstone: no host brings it back), and so is its
+        directory when that was a ghost too, now empty."""
+        path = self.ns.path_of(node)
+        log.warning("%s is gone from the bucket and nowhere else: removing it on every "
+                    "host", path)
+        parent = self.ns.inodes[node.parent]
+        self.ns.unlink(parent, node.name)
+        self.kernel.entry(parent.ino, node.name)
+        self.events.removed(node, path)
+        self.events.remote_removed(node)  # (the inode goes once the kernel lets go)
+        while (parent.ino != ROOT and not parent.children and parent.lamport == 0
+               and not parent.writer):
+            up = self.ns.inodes[parent.parent]
+            d_path = self.ns.path_of(parent)
+            self.ns.unlink(up, parent.name)
+            self.kernel.entry(up.ino, parent.name)
+            self.events.removed(parent, d_path)
+            self.events.remote_removed(parent)
+            parent = up
 
     async def refresh_loop(self, pending_deletes: set[str]) -> None:
         while True:

@@ -361,3 +361,36 @@ async def test_a_steps_objects_under_its_other_name_are_not_merged(bucketed) -> 
     assert listing.merge([obj("step_6.mtcfs-withdrawn/shard", b"old", 5),
                           obj("step_6/shard", b"new", 6)], set(), full=False) == 2
     assert h.exists("step_6") and h.exists("step_6.mtcfs-withdrawn")
+
+
+@pytest.mark.trio
+async def test_a_listed_ghost_whose_object_is_gone_is_removed_on_every_host(bucketed) -> None:
+    """A host with an empty RAM dir listed the bucket while a reinstated step's objects
+    under its withdrawn name were not deleted yet: it merged both names and announced
+    them (a chaos run: `step_756.mtcfs-withdrawn/` stood beside the step on every host
+    for good, and a restart's listing dropped it on that host only). Once the object
+    is gone, a refresh removes such an entry, known only from a listing with no copy
+    anywhere, through the filesystem's removal: a tombstone every host applies."""
+    from mtcfs.core.events import Listener
+
+    class Removals(Listener):
+        def __init__(self) -> None:
+            self.paths: list[str] = []
+
+        def removed(self, node: Inode, path: str) -> None:
+            self.paths.append(path)
+
+    h: Host = bucketed
+    seen = Removals()
+    h.mount.events.register(seen)
+    listing = h.mount.listing
+    assert listing.merge([obj("step_6.mtcfs-withdrawn/shard", b"old", 5),
+                          obj("step_6/shard", b"new", 6)], set(), full=False) == 2
+    await h.write_file("step_6/mine", b"written here")  # a real file: kept
+    assert listing.merge([obj("step_6/shard", b"new", 6)], set(), full=False) == 1
+    assert not h.exists("step_6.mtcfs-withdrawn")
+    assert h.exists("step_6/shard") and h.exists("step_6/mine")
+    assert seen.paths == ["step_6.mtcfs-withdrawn/shard", "step_6.mtcfs-withdrawn"]
+    # The live name's object gone too: its ghost goes, the directory with a real file stays.
+    listing.merge([], set(), full=False)
+    assert not h.exists("step_6/shard") and h.exists("step_6/mine")
