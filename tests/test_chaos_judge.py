@@ -84,3 +84,19 @@ def test_a_step_committed_on_some_hosts_only_is_inconsistent() -> None:
     assert v.mode == "inconsistent" and v.bad
     assert [k for k, _ in v.findings] == ["step_inconsistent"]
     assert v.lost == {"step_9/.metadata": ["h2: missing"]}
+
+
+def test_a_write_is_unsent_only_if_its_host_was_cut_then_replaced_soon_after() -> None:
+    """The K=1 window across a cut: written (or committed) while the writer's link was
+    down, and the host replaced before its queued changes could have left it once the
+    link came back (seed 46: h1 committed step 34 while cut off, 0.8 s before it was
+    replaced; no other host ever knew the step was committed)."""
+    from support.chaos import UNSENT_GRACE, unsent
+    window = (100.0, 101.0)
+    assert unsent(window, [[99.0, 102.0]], [102.8])
+    assert unsent(window, [[100.5, None]], [150.0])  # still cut when replaced
+    assert not unsent(window, [[99.0, 102.0]], [102.0 + UNSENT_GRACE + 1])  # had time
+    assert not unsent(window, [[90.0, 99.0]], [99.5])  # cut before the write
+    assert not unsent(window, [[99.0, 102.0]], [])  # never replaced: its RAM came back
+    assert not unsent(window, [[99.0, 102.0]], [95.0])  # replaced before it wrote
+    assert not unsent(None, [[99.0, 102.0]], [102.8])

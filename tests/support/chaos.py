@@ -89,6 +89,9 @@ PORT = 7000
 GCS_PORT = 4443
 BUCKET = "chaos"
 PREFIX = "run"
+# A host back from a cut has its queued changes out within this (its peers see it alive
+# again, then its outbox drains): replaced sooner, they may never have left it.
+UNSENT_GRACE = 10.0
 KINDS = ("kill_remount", "kill_replace", "sigstop", "netcut", "gcs_stop", "gcs_restart")
 HOST_KINDS = KINDS[:4]
 # Seconds (low, high) each fault lasts.
@@ -823,7 +826,9 @@ class Chaos:
         """Wait until every peer is alive, replication quiet, uploads idle and every
         committed step persisted (or withdrawn) on every host."""
         t0 = time.monotonic()
-        committed = {cio.step_dir(s) for s in self.committed}
+        # (Not a step whose commit may never have left its host: no host knows of it.)
+        committed = {cio.step_dir(s) for s in self.committed
+                     if not self.lost_unsent(s, cio.MARKER)}
         why: dict[str, Any] = {}
         while time.monotonic() - t0 < self.cfg.settle_timeout:
             why = {}
@@ -919,6 +924,19 @@ class Chaos:
         return w is not None and any(c0 <= w[1] and (c1 is None or c1 >= w[0])
                                      for c0, c1 in self.cuts.get(h, []))
 
+    def lost_unsent(self, step: int, name: str) -> bool:
+        """The K=1 window across a cut (--fsync local): the writer's link was cut while
+        it wrote this file (or made the commit), and the host was replaced (its RAM
+        lost) before UNSENT_GRACE s had passed since the link came back. Its change may
+        never have left the host: no other host could know of the file, nor, for a
+        marker, that the step was committed (its other files are then an abandoned
+        incomplete step, which retention removes)."""
+        if self.cfg.fsync != "local":
+            return False
+        h = self.writer_of(step, name)
+        return unsent(self.write_window.get((step, -1 if name == cio.MARKER else h)),
+                      self.cuts.get(h, []), self.replaced_at.get(h, []))
+
     def was_replaced_after_write(self, step: int, name: str) -> bool:
         """The writer of this file was replaced (its RAM lost) after writing it."""
         if name == cio.MARKER:
@@ -969,12 +987,25 @@ class Chaos:
             self.check_bucket(objs, final=True)
 
         verified, withdrawn, unexplained, broken, leftovers = [], [], [], [], []
+        unsent_steps: list[int] = []
+        unsent_files: dict[str, list[str]] = {}
         lost_files: dict[str, list[str]] = {}
         corrupt_files: dict[str, list[str]] = {}
         for step, info in steps_info.items():
             v = judge_step(step, info, len(self.daemons),
                            cio.expected_files(c.seed, step, c.hosts, c.shards, c.shard_bytes),
                            withdrawn_views.get(step, {}))
+            if v.mode != "withdrawn" and (v.bad or v.mode != "committed") and not v.corrupt \
+                    and len(info["hosts"]) == len(self.daemons) and (
+                        self.lost_unsent(step, cio.MARKER) and v.mode != "committed"
+                        or v.mode == "committed" and v.lost and all(
+                            self.lost_unsent(step, k.rsplit("/", 1)[1]) for k in v.lost)):
+                # Lost in the K=1 window across a cut: explained with --fsync local.
+                unsent_steps.append(step)
+                unsent_files.update(v.lost)
+                self.journal("lost_unsent", say=None, step=step, lost=sorted(v.lost),
+                             mode=v.mode)
+                continue
             for kind, what in v.findings:
                 self.finding(kind, what)
             lost_files.update(v.lost)
@@ -999,10 +1030,20 @@ class Chaos:
         for key, where in corrupt_files.items():
             self.finding("corrupt", f"{key}: {'; '.join(where)}")
         bucket_corrupt = [k for k in self.marker_violations if k.startswith("corrupt:")]
-        markers = {k: v for k, v in self.marker_violations.items() if k.startswith("marker:")}
+        markers, unsent_markers = {}, {}
+        for k, m in self.marker_violations.items():
+            if k.startswith("marker:"):
+                step = int(k.split(":", 1)[1].removeprefix("step_"))
+                explained = not m["wrong"] and all(self.lost_unsent(step, n)
+                                                   for n in m["missing"])
+                (unsent_markers if explained else markers)[k] = m
         return {
             "steps_committed": len(self.committed),
             "verified": len(verified),
+            "lost_unsent": len(unsent_steps),
+            "files_lost_unsent": len(unsent_files),
+            "markers_unsent": len(unsent_markers),
+            "lost_unsent_steps": unsent_steps,
             "withdrawn": len(withdrawn),
             "withdrawn_unexplained": len(unexplained),
             "steps_broken": len(broken),
@@ -1183,11 +1224,26 @@ def step_state(dirs: dict[str, Any], final: str, hidden: str) -> str:
                      for d, v in sorted(here.items())) or "absent"
 
 
+def unsent(window: tuple[float, float] | None, cuts: list[list[float | None]],
+           replaced: list[float]) -> bool:
+    """A write in `window` (start, end) on a host whose link was cut meanwhile (`cuts`:
+    [start, end or None]) and that was replaced (`replaced`: times) after the write
+    started, before UNSENT_GRACE s had passed since that cut ended."""
+    if window is None:
+        return False
+    for c0, c1 in cuts:
+        if c0 is not None and c0 <= window[1] and (c1 is None or c1 >= window[0]) and any(
+                r > window[0] and (c1 is None or r <= c1 + UNSENT_GRACE) for r in replaced):
+            return True
+    return False
+
+
 def ok_result(r: dict) -> bool:
     return ("steps_committed" in r and r["files_corrupt"] == 0 and r["files_lost"] == 0
             and r["bad_markers_in_gcs"] == 0 and r["withdrawn_unexplained"] == 0
             and r["hangs"] == 0 and r["daemon_crashes"] == 0
-            and r["verified"] + r["withdrawn"] == r["steps_committed"] and not r["steps_broken"]
+            and r["verified"] + r["withdrawn"] + r.get("lost_unsent", 0) == r["steps_committed"]
+            and not r["steps_broken"]
             and not any(f["kind"] in ("settle_timeout", "runner_error", "startup_hang",
                                       "tmp_uploaded", "corrupt_object", "remount_failed")
                         for f in r["findings"]))
@@ -1199,6 +1255,9 @@ def report(r: dict) -> str:
         ("  verified (every host + bucket)", r.get("verified", "-")),
         ("  withdrawn by mtcfs", f"{r.get('withdrawn', '-')} (unexplained: "
                                  f"{r.get('withdrawn_unexplained', '-')})"),
+        ("  lost in the K=1 window across a cut", f"{r.get('lost_unsent', '-')} steps, "
+                                                 f"{r.get('files_lost_unsent', '-')} files, "
+                                                 f"{r.get('markers_unsent', '-')} markers in GCS"),
         ("  broken (neither)", r.get("steps_broken", "-")),
         ("  verified, beside a stale *.mtcfs-withdrawn/", r.get("leftover_withdrawn_dirs", "-")),
         ("files lost", r.get("files_lost", "-")),
