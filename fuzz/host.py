@@ -211,7 +211,7 @@ class Host:
              n.persisted_version, n.block_crcs, n.target) for n in ns.inodes.values()))
         pending = sum(len(v) for v in index.pending.values())
         return hash((nodes, tuple(sorted(index.tombstones.items())), pending,
-                     tuple(sorted(index.aliases.items()))))
+                     tuple(sorted(index.ids.aliases.items()))))
 
     def check_index(self) -> None:
         """The namespace is a tree whose names and ids agree (AssertionError if not)."""

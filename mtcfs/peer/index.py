@@ -103,6 +103,42 @@ def entry_stamp(e: pb.Entry) -> tuple[int, str]:
     return (e.lamport, e.writer)
 
 
+class DirectoryIds:
+    """The ids a directory made at the same path on several hosts goes by: each other
+    id (an alias) names our directory, and each of our directories knows its aliases
+    (what its entries tell other hosts)."""
+
+    def __init__(self) -> None:
+        self.aliases: dict[str, str] = {}  # a remote directory's id -> our directory's id
+        self.merged: dict[str, set[str]] = {}  # our directory's id -> its aliases
+
+    def resolve(self, gid: str) -> str:
+        return self.aliases.get(gid, gid)
+
+    def others(self, gid: str) -> list[str]:
+        return sorted(self.merged.get(gid, ()))
+
+    def alias(self, other: str, gid: str) -> None:
+        """`other` names our directory `gid` from now on (and so do the ids that named
+        `other`)."""
+        if other == gid or self.aliases.get(other) == gid:
+            return
+        self.unalias(other)
+        self.aliases[other] = gid
+        ids = self.merged.setdefault(gid, set())
+        ids.add(other)
+        for o in self.merged.pop(other, ()):
+            self.aliases[o] = gid
+            ids.add(o)
+
+    def unalias(self, other: str) -> None:
+        gid = self.aliases.pop(other, None)
+        if gid is not None and gid in self.merged:
+            self.merged[gid].discard(other)
+            if not self.merged[gid]:
+                del self.merged[gid]
+
+
 class ReplicatedIndex:
     def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
                  copies: Copies | None = None, now: Callable[[], float] | None = None,
@@ -115,8 +151,7 @@ class ReplicatedIndex:
         self.tombstones: dict[str, tuple[int, str, float]] = {
             g: (lam, w, t) for g, lam, w, t in ns.store.load_tombstones()
         }
-        self.aliases: dict[str, str] = {}  # a remote directory's id -> our merged directory's id
-        self.merged: dict[str, set[str]] = {}  # our directory's id -> its aliases (the inverse)
+        self.ids = DirectoryIds()  # directories made on several hosts: their other ids
         self.pending: dict[str, list[pb.Entry]] = {}  # parent id -> entries waiting for it
         self.clock = max([n.lamport for n in ns.inodes.values()]
                          + [lam for lam, _, _ in self.tombstones.values()] + [0])
@@ -234,8 +269,8 @@ class ReplicatedIndex:
             e.has_crc, e.crc32c = True, node.crc32c
         if node.block_crcs is not None:
             e.block_crcs = node.block_crcs
-        if node.is_dir and node.guid in self.merged:
-            e.merged_ids.extend(sorted(self.merged[node.guid]))
+        if node.is_dir:
+            e.merged_ids.extend(self.ids.others(node.guid))
         for p, n in node.links:
             e.links.append(pb.Link(parent=self.ns.inodes[p].guid, name=n))
         return e
@@ -284,7 +319,7 @@ class ReplicatedIndex:
         return any(e.id == guid for waiting in self.pending.values() for e in waiting)
 
     def resolve(self, gid: str) -> str:
-        return self.aliases.get(gid, gid)
+        return self.ids.resolve(gid)
 
     def _apply_one(self, e: pb.Entry) -> bool:
         if self._apply_entry(e):
@@ -297,7 +332,7 @@ class ReplicatedIndex:
         if gid != e.id and not self._linked(gid):
             # The directory it merged with is gone: the id stands for itself again (else
             # each change of it made one more node with that id).
-            self._unalias(e.id)
+            self.ids.unalias(e.id)
             gid = e.id
         tomb = self.tombstones.get(gid)
         if tomb is not None and (tomb[0], tomb[1]) >= entry_stamp(e):
@@ -365,7 +400,7 @@ class ReplicatedIndex:
         if existing is not None:
             if existing.is_dir and stat.S_ISDIR(e.mode):
                 # The same directory made on two hosts: one directory, two ids.
-                self._alias(e.id, existing.guid)
+                self.ids.alias(e.id, existing.guid)
                 if entry_stamp(e) > stamp_of(existing):
                     self._set_attrs(existing, e)
                     self.ns.persist(existing)
@@ -527,26 +562,6 @@ class ReplicatedIndex:
 
     # -- directories known by several ids ---------------------------------------------
 
-    def _alias(self, other: str, gid: str) -> None:
-        """`other` names our directory `gid` from now on (and so do the ids that named
-        `other`)."""
-        if other == gid or self.aliases.get(other) == gid:
-            return
-        self._unalias(other)
-        self.aliases[other] = gid
-        ids = self.merged.setdefault(gid, set())
-        ids.add(other)
-        for o in self.merged.pop(other, ()):
-            self.aliases[o] = gid
-            ids.add(o)
-
-    def _unalias(self, other: str) -> None:
-        gid = self.aliases.pop(other, None)
-        if gid is not None and gid in self.merged:
-            self.merged[gid].discard(other)
-            if not self.merged[gid]:
-                del self.merged[gid]
-
     def _merge_ids(self, node: Inode, e: pb.Entry) -> bool:
         """The entry's ids of `node` (a directory): each becomes an alias of it, and one
         that is a directory of its own here is folded into it. True when that changed
@@ -566,7 +581,7 @@ class ReplicatedIndex:
                 self._fold(other, node)
                 folded = True
             else:
-                self._alias(gid, node.guid)
+                self.ids.alias(gid, node.guid)
             self._release_pending(gid)
         return folded
 
@@ -597,7 +612,7 @@ class ReplicatedIndex:
         self.ns.unlink(parent, src.name)
         self.hooks.invalidate(parent, src.name, src)
         self.hooks.removed(src)
-        self._alias(src.guid, dst.guid)
+        self.ids.alias(src.guid, dst.guid)
         self.touched.append(dst)
 
     def _release_pending(self, gid: str) -> None:
