@@ -103,6 +103,10 @@ SETID = stat.S_ISUID | stat.S_ISGID
 # While listed, the model does not make the calls that trigger them (counted as
 # "(known bug, not run)"); remove an entry once the bug is fixed.
 KNOWN_BUGS = {
+    "user-truncate-past-shared": "passthrough: after a truncate past 1 TiB by the second "
+                                 "user of a set-id file, a later tree showed the bits "
+                                 "cleared on mtcfs and kept on tmpfs (seen once, "
+                                 "2026-12-05; not reduced yet)",
     "chown-nothing-by-other": "passthrough: chown(f, -1, -1) by a user who does not own a "
                               "set-id regular file succeeds (tmpfs: EPERM); without the "
                               "writeback cache the kernel sends it as the same setattr of "
@@ -1086,6 +1090,9 @@ class PosixModel(RuleBasedStateMachine):
     @rule(data=st.data(), size=st.one_of(offsets, offsets, big_sizes))
     def user_truncate(self, data: st.DataObject, size: int) -> None:
         path = self.pick_for_user(data, "file", prefer="writable")
+        if self.data_path == "passthrough" and self.avoid("user-truncate-past-shared",
+                                                         size > MAX_SHARED_SIZE):
+            return
         desc = f"truncate({path!r}, {size})"
         self.as_user("user truncate", desc, "truncate", path, size, watch=path)
 
