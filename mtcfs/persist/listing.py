@@ -175,11 +175,14 @@ class BucketListing:
         self.copies.elsewhere_only(node)
         self.copies.in_bucket(node, obj.generation)
 
+    def _vanished(self, seen: set[int]) -> list[Inode]:
+        """Files we knew as persisted whose objects are not in this listing."""
+        return [node for node in self.ns.files()
+                if node.ino not in seen and node.generation and node.linked]
+
     def _forget_vanished(self, seen: set[int]) -> None:
         """Files we knew as persisted whose objects are gone from the bucket."""
-        for node in list(self.ns.files()):
-            if node.ino in seen or not node.generation or not node.linked:
-                continue
+        for node in self._vanished(seen):
             if self._ghost(node):
                 self._remove_ghost(node)
                 continue
@@ -192,8 +195,8 @@ class BucketListing:
                 self.events.remote_removed(node)
 
     def _forget_ghosts(self, seen: set[int]) -> None:
-        for node in list(self.ns.files()):
-            if node.ino not in seen and node.generation and node.linked and self._ghost(node):
+        for node in self._vanished(seen):
+            if self._ghost(node):
                 self._remove_ghost(node)
 
     @staticmethod
@@ -206,23 +209,23 @@ class BucketListing:
     def _remove_ghost(self, node: Inode) -> None:
         """Removed on every host (a tombstone: no host brings it back), and so is its
         directory when that was a ghost too, now empty."""
-        path = self.ns.path_of(node)
         log.warning("%s is gone from the bucket and nowhere else: removing it on every "
-                    "host", path)
+                    "host", self.ns.path_of(node))
+        parent = self._remove_everywhere(node)
+        while (parent.ino != ROOT and not parent.children and parent.lamport == 0
+               and not parent.writer):
+            parent = self._remove_everywhere(parent)
+
+    def _remove_everywhere(self, node: Inode) -> Inode:
+        """Unlinked as a removal made here, which every host applies; returns its
+        directory."""
+        path = self.ns.path_of(node)
         parent = self.ns.inodes[node.parent]
         self.ns.unlink(parent, node.name)
         self.kernel.entry(parent.ino, node.name)
         self.events.removed(node, path)
         self.events.remote_removed(node)  # (the inode goes once the kernel lets go)
-        while (parent.ino != ROOT and not parent.children and parent.lamport == 0
-               and not parent.writer):
-            up = self.ns.inodes[parent.parent]
-            d_path = self.ns.path_of(parent)
-            self.ns.unlink(up, parent.name)
-            self.kernel.entry(up.ino, parent.name)
-            self.events.removed(parent, d_path)
-            self.events.remote_removed(parent)
-            parent = up
+        return parent
 
     async def refresh_loop(self, pending_deletes: set[str]) -> None:
         while True:
