@@ -1339,7 +1339,9 @@ RARE = {
 
 @pytest.mark.slow
 def test_mtcfs_behaves_like_tmpfs(make_mount, ram_root: Path, data_path: str) -> None:
-    mnt = make_mount(extra=("-o", "allow_other"))  # for the second user
+    # allow_other: for the second user. Huge pages: seals then read files through a
+    # mapping, which the model's truncates and punched holes must never race.
+    mnt = make_mount(extra=("-o", "allow_other", "--huge-pages", "always"))
     # The reference: a tmpfs of its own, nodev and nosuid as mtcfs mounts are (on
     # /dev/shm, opening a device node made by mknod would open the device).
     ref = ram_root / "ref"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import errno
+import mmap
 import os
 import re
 import struct
@@ -306,7 +307,8 @@ _second_half: ThreadPoolExecutor | None = None
 _second_half_lock = threading.Lock()
 
 
-def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes]:
+def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK,
+                     mapped: bool = False) -> tuple[int, bytes]:
     """One pass over the first `size` bytes of `fd`: (whole crc, packed block crcs).
 
     Runs in a worker thread. A file shorter than `size` is checksummed as far as it
@@ -315,19 +317,48 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK) -> tuple[int, bytes
     A large file's two halves are read in two threads at once (preadv and crc32c
     release the GIL): the fsync of a file written through passthrough waits for
     this pass, and the trainer's thread that waits leaves the cores idle.
+
+    `mapped`: blocks that are all data are checksummed where they lie, through a
+    read-only mapping of the file, instead of being copied into a buffer first (on
+    a tmpfs with huge pages, 0.06 CPU-s/GiB against 0.12). Only for a caller that
+    guarantees nobody shrinks the file or punches a hole in it during the pass: a
+    mapped page past the end is SIGBUS, and touching a hole allocates a page (the
+    mtcfs.fs.sealer's pass; the file system waits for it before either). Blocks
+    with a hole in them are read with preadv as without it.
     """
-    end = min(size, os.fstat(fd).st_size)
-    blocks = -(-end // block)
-    if blocks < PARALLEL_SEAL_BLOCKS:
-        crcs, off = _crcs_between(fd, 0, end, block)
-    else:
-        mid = blocks // 2 * block
-        second = _half_pool().submit(_crcs_between, fd, mid, end, block)
-        crcs, off = _crcs_between(fd, 0, mid, block)
-        more, last = second.result()
-        if off == mid:  # else the file ended in the first half: as far as it goes
-            crcs, off = crcs + more, last
+    fd = os.dup(fd)  # this file, whatever is put at `fd` during the pass (dup2)
+    try:
+        end = min(size, os.fstat(fd).st_size)
+        view = _map(fd, end) if mapped else None
+        try:
+            blocks = -(-end // block)
+            if blocks < PARALLEL_SEAL_BLOCKS:
+                crcs, off = _crcs_between(fd, 0, end, block, view)
+            else:
+                mid = blocks // 2 * block
+                second = _half_pool().submit(_crcs_between, fd, mid, end, block, view)
+                crcs, off = _crcs_between(fd, 0, mid, block, view)
+                more, last = second.result()
+                if off == mid:  # else the file ended in the first half: as far as it goes
+                    crcs, off = crcs + more, last
+        finally:
+            if view is not None:
+                view.release()
+    finally:
+        os.close(fd)
     return _combine_blocks(crcs, off, block), pack_crcs(crcs)
+
+
+def _map(fd: int, length: int) -> memoryview | None:
+    """A read-only view of the file's first `length` bytes (None: empty, or not
+    mappable here: the pass reads instead). Unmapped once the view and the
+    slices taken from it are gone."""
+    if length <= 0:
+        return None
+    try:
+        return memoryview(mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+    except (OSError, ValueError):
+        return None
 
 
 def _half_pool() -> ThreadPoolExecutor:
@@ -338,15 +369,18 @@ def _half_pool() -> ThreadPoolExecutor:
         return _second_half
 
 
-def _crcs_between(fd: int, start: int, end: int, block: int) -> tuple[list[int], int]:
+def _crcs_between(fd: int, start: int, end: int, block: int,
+                  view: memoryview | None = None) -> tuple[list[int], int]:
     """The block crcs of bytes [start, end) (start on a block boundary), and the
-    offset the pass reached (< end when the file is shorter)."""
+    offset the pass reached (< end when the file is shorter). `view`: the file
+    mapped up to `end` (block_crcs_of_fd's `mapped`)."""
     crcs: list[int] = []
     off = start
     data = _next_data(fd, start, end)  # the next offset >= off that may hold data
     # One buffer for the pass, read into (a new bytes object per block, as
     # google-crc32c needs, cost 15-25 % more).
     buf = memoryview(bytearray(min(block, max(end - start, 0))))
+    hole = -1  # the next offset >= off that may be a hole, once asked (mapped only)
     while off < end:
         want = min(block, end - off)
         if data >= off + want:
@@ -355,6 +389,13 @@ def _crcs_between(fd: int, start: int, end: int, block: int) -> tuple[list[int],
             if data < off + block:
                 data = _next_data(fd, off, end)
             continue
+        if view is not None and data <= off:
+            if hole < off:  # (asked again only past the last answer: each is a scan)
+                hole = _next_hole(fd, off, end)
+            if hole >= off + want:
+                crcs.append(crc32c.crc32c(view[off:off + want]))
+                off += want
+                continue
         got = 0
         while got < want:  # a short read: complete the block
             n = os.preadv(fd, [buf[got:want]], off + got)
@@ -382,6 +423,14 @@ def _next_data(fd: int, off: int, end: int) -> int:
         if e.errno == 6:  # ENXIO: only a hole from off to the end
             return end
         return off  # no SEEK_DATA here: read everything
+
+
+def _next_hole(fd: int, off: int, end: int) -> int:
+    """The first offset >= off where the file may have a hole (`off` if unknown)."""
+    try:
+        return min(os.lseek(fd, off, os.SEEK_HOLE), end)
+    except OSError:
+        return off  # unknown: read the block rather than map it
 
 
 _ZEROS: dict[int, int] = {}

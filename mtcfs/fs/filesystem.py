@@ -220,7 +220,8 @@ class Filesystem(Listener):
                 raise FsError(errno.EIO)
             if size != 0:
                 await self.open_for_write(node)  # the kept part must be here first
-            self._truncate(node, size)
+            async with self.sealer.shrinking(node):
+                self._truncate(node, size)
             node.mtime_ns = now
             await self.sealer.resealed_closed(node)  # truncate(2) of a closed file
         if mode is not None:
@@ -294,7 +295,8 @@ class Filesystem(Listener):
         if writable:
             await self.sealer.before_writer(node)
         if flags & os.O_TRUNC and writable:
-            self._truncate(node, 0)
+            async with self.sealer.shrinking(node):
+                self._truncate(node, 0)
             if uid != 0 and node.mode & SETID:
                 self._kill_privs(node, in_group)  # even when there was nothing to cut
         elif node.state == INCOMPLETE:
@@ -460,7 +462,8 @@ class Filesystem(Listener):
         if changes_data:
             self.sealer.writing(node)  # first: a crash from here leaves it incomplete
         try:
-            await self.ram.fallocate(node.ino, h.fd, mode, off, length, reserve=need)
+            async with self.sealer.shrinking(node) if punch else contextlib.nullcontext():
+                await self.ram.fallocate(node.ino, h.fd, mode, off, length, reserve=need)
         except OSError as e:
             raise FsError(e.errno or errno.EIO) from None
         if node.mode & SETID and h.uid != 0:

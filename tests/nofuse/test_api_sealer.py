@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -314,6 +315,84 @@ async def test_a_truncate_during_the_pass_with_no_writer_is_sealed_again(pt) -> 
         await h.fs.setattr(node, size=10)
     assert node.size == 10 and not node.dirty and sealed_right(h, "f")
     assert node.crc32c == crc(data[:10])
+
+
+@pytest.mark.parametrize("how", ["truncate", "open O_TRUNC", "punch"])
+async def test_a_shrink_waits_for_a_mapped_pass(pt, monkeypatch, how: str) -> None:
+    """With huge pages the seal's pass reads the RAM file through a mapping, where a
+    page past the end is SIGBUS and a hole touched is a page allocated: a truncate,
+    an O_TRUNC open and a punched hole wait until the pass is over (the pass is made
+    slow here)."""
+    import mtcfs.fs.sealer as sealer_module
+
+    h: Host = pt
+    h.mount.ram.huge_pages.in_use = True
+    log: list[tuple[str, bool]] = []
+    real_pass = sealer_module.block_crcs_of_fd
+
+    def slow_pass(fd: int, size: int, mapped: bool = False) -> tuple[int, bytes]:
+        log.append(("pass", mapped))
+        got = real_pass(fd, size, mapped=mapped)
+        time.sleep(0.3)
+        log.append(("pass over", mapped))
+        return got
+
+    monkeypatch.setattr(sealer_module, "block_crcs_of_fd", slow_pass)
+    ram = h.mount.ram
+    for name in ("truncate", "fallocate"):
+        real = getattr(ram, name)
+
+        def spy(*args, real=real, name=name, **kw):  # type: ignore[no-untyped-def]
+            log.append((name, False))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(ram, name, spy)
+    data = os.urandom(3 * BLOCK)
+    fh = await pt_file(h, "f", data)
+    await h.fs.flush(fh)
+    node = h.node("f")
+    async with trio.open_nursery() as n:
+        n.start_soon(h.fs.release, fh)
+        while not h.fs.sealer.in_pass(node):
+            await trio.sleep(0)
+        if how == "truncate":
+            await h.fs.setattr(node, size=10)
+        elif how == "open O_TRUNC":
+            await h.close(await h.fs.open(node, os.O_WRONLY | os.O_TRUNC))
+        else:
+            wh = await h.fs.open(node, os.O_RDWR)
+            await h.fs.fallocate(wh, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, BLOCK)
+            await h.close(wh)
+    shrink = "fallocate" if how == "punch" else "truncate"
+    at = [k for k, (what, _) in enumerate(log) if what == shrink][0]
+    before = [what for what, _ in log[:at]]
+    assert log[0] == ("pass", True) and before.count("pass") == before.count("pass over")
+    want = {"truncate": data[:10], "open O_TRUNC": b"",
+            "punch": bytes(BLOCK) + data[BLOCK:]}[how]
+    assert node.crc32c == crc(want) and sealed_right(h, "f")
+
+
+async def test_a_pass_that_starts_during_a_shrink_reads(pt, monkeypatch) -> None:
+    import mtcfs.fs.sealer as sealer_module
+
+    h: Host = pt
+    h.mount.ram.huge_pages.in_use = True
+    seen: list[bool] = []
+    real_pass = sealer_module.block_crcs_of_fd
+
+    def spy(fd: int, size: int, mapped: bool = False) -> tuple[int, bytes]:
+        seen.append(mapped)
+        return real_pass(fd, size, mapped=mapped)
+
+    monkeypatch.setattr(sealer_module, "block_crcs_of_fd", spy)
+    fh = await pt_file(h, "f", os.urandom(BLOCK + 1))
+    node = h.node("f")
+    async with h.fs.sealer.shrinking(node):
+        await h.fs.fsync(fh)
+    pt_write(h, fh, 0, b"again")
+    await h.fs.fsync(fh)
+    await h.close(fh)
+    assert seen[:2] == [False, True] and sealed_right(h, "f")
 
 
 async def test_a_punched_hole_is_zeros_in_the_seal(make_host) -> None:
