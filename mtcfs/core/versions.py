@@ -21,10 +21,15 @@ from mtcfs.core.namespace import CLOSED, INCOMPLETE, OPEN, SEALING, Inode
 MAX_SHARED_SIZE = 1 << 40
 
 
+def too_large_to_share(size: int) -> bool:
+    """A file this large is sealed without checksums and kept on its writer's host."""
+    return size > MAX_SHARED_SIZE
+
+
 def local_only(node: Inode) -> bool:
     """A sealed version kept on its writer's host only (larger than MAX_SHARED_SIZE:
     no checksums to verify a copy by)."""
-    return node.crc32c is None and node.size > MAX_SHARED_SIZE
+    return node.crc32c is None and too_large_to_share(node.size)
 
 
 class Versions:

@@ -15,7 +15,7 @@ import os
 from mtcfs.core.checksums import block_crcs_of_fd
 from mtcfs.core.copies import Copies
 from mtcfs.core.namespace import CLOSED, OPEN, SEALING, Inode, Namespace
-from mtcfs.core.versions import MAX_SHARED_SIZE, Versions
+from mtcfs.core.versions import Versions, too_large_to_share
 from mtcfs.tiers.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _seal_at_start(ns: Namespace, ram: RamTier, copies: Copies, versions: Versio
         if same_or_incomplete and (not node.version or node.crc32c is None
                                    or size != node.size):
             return False
-        if size > MAX_SHARED_SIZE:
+        if too_large_to_share(size):
             crc, blocks = None, None  # kept here only, unchecksummed (mtcfs.core.versions)
         else:
             crc, blocks = block_crcs_of_fd(fd, size)

@@ -24,7 +24,7 @@ from mtcfs.core.copies import Copies
 from mtcfs.core.events import Listener
 from mtcfs.core.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.core.steps import dirs_under
-from mtcfs.core.versions import MAX_SHARED_SIZE, Versions
+from mtcfs.core.versions import Versions, too_large_to_share
 from mtcfs.tiers.ram import RamTier
 
 
@@ -258,7 +258,7 @@ class Sealer:
             self.refresh(node)  # written through passthrough: the RAM file says how big
             self.unstreamed(node)
             stamp = self._stamp(node)  # before the pass: a later write changes it
-        if node.size > MAX_SHARED_SIZE:
+        if too_large_to_share(node.size):
             # Kept here only, as tmpfs keeps it: no checksums (mtcfs.core.versions).
             self._crc.pop(node.ino, None)
             self._seal_stamp.pop(node.ino, None)

@@ -465,11 +465,7 @@ class ReplicatedIndex:
                     return False
                 else:
                     self._take_name(parent, e.name, existing)
-            old_parent, old_name = self.ns.inodes[node.parent], node.name
-            self.ns.rename(old_parent, old_name, parent, e.name)
-            self.hooks.invalidate(old_parent, old_name, node)
-            self.hooks.invalidate(parent, e.name, None)
-            self.hooks.moved(node)
+            self._move(node, self.ns.inodes[node.parent], node.name, parent, e.name)
         if node.is_file and not self._same_content(node, e):
             node = self._replace(node, e)
         else:
@@ -603,10 +599,7 @@ class ReplicatedIndex:
                     self._take_name(src, name, child)
                     continue
                 self._take_name(dst, name, existing)
-            self.ns.rename(src, name, dst, name)
-            self.hooks.invalidate(src, name, child)
-            self.hooks.invalidate(dst, name, None)
-            self.hooks.moved(child)
+            self._move(child, src, name, dst, name)
             self.touched.append(child)
         parent = self.ns.inodes[src.parent]
         self.ns.unlink(parent, src.name)
@@ -614,6 +607,15 @@ class ReplicatedIndex:
         self.hooks.removed(src)
         self.ids.alias(src.guid, dst.guid)
         self.touched.append(dst)
+
+    def _move(self, node: Inode, old_parent: Inode, old_name: bytes, parent: Inode,
+              name: bytes) -> None:
+        """A rename applied here: `node` from `old_name` in `old_parent` to `name` in
+        `parent` (a name there was taken aside before), and the kernel told of both."""
+        self.ns.rename(old_parent, old_name, parent, name)
+        self.hooks.invalidate(old_parent, old_name, node)
+        self.hooks.invalidate(parent, name, None)
+        self.hooks.moved(node)
 
     def _release_pending(self, gid: str) -> None:
         waiting = self.pending.pop(gid, [])
