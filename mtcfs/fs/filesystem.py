@@ -17,6 +17,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -67,6 +68,11 @@ SETID = stat.S_ISUID | stat.S_ISGID
 FALLOCATE_MODES = (0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)
 
 
+def ALL_GROUPS(gid: int) -> bool:  # noqa: N802  (a constant: the privileged opener's)
+    """The group membership of a privileged (or unknown) caller: every group."""
+    return True
+
+
 def killed_privs(mode: int, in_group: bool = True) -> int:
     """`mode` without set-user-ID, and without set-group-ID if group-executable or if
     the caller is neither in the file's group nor privileged (as Linux since 6.2;
@@ -94,7 +100,9 @@ class Handle:
     append: bool
     sync: bool = False  # opened with O_SYNC/O_DSYNC: the fsync level applies at close
     uid: int = 0  # the opener's: an unprivileged writer clears set-id bits
-    in_group: bool = True  # the opener is in the file's group (or privileged)
+    # Is the opener in group `gid`? Asked at each write or fallocate that may clear
+    # set-id bits, of the file's group then: root may chown the file after the open.
+    member_of: Callable[[int], bool] = ALL_GROUPS
     backing: int = 0  # its backing file id: reads and writes bypass the daemon
 
 
@@ -283,8 +291,10 @@ class Filesystem(Listener):
         self.sealer.created(node)
         return self._open_handle(node, flags, uid), node
 
-    async def open(self, node: Inode, flags: int, uid: int = 0, in_group: bool = True) -> int:
-        """`uid`, `in_group`: the opener, and whether it is in the file's group."""
+    async def open(self, node: Inode, flags: int, uid: int = 0,
+                   member_of: Callable[[int], bool] = ALL_GROUPS) -> int:
+        """`uid`: the opener; `member_of(gid)`: whether it is in that group (or
+        privileged)."""
         if node.stale:
             raise FsError(errno.ESTALE)  # the kernel retries with a fresh lookup
         if node.is_dir:
@@ -298,7 +308,8 @@ class Filesystem(Listener):
             async with self.sealer.shrinking(node):
                 self._truncate(node, 0)
             if uid != 0 and node.mode & SETID:
-                self._kill_privs(node, in_group)  # even when there was nothing to cut
+                # (even when there was nothing to cut)
+                self._kill_privs(node, member_of(node.gid))
         elif node.state == INCOMPLETE:
             log.error("refusing to open %s: it is incomplete (its writer never closed it); "
                       "rewrite or remove it", self.ns.path_of(node))
@@ -321,7 +332,7 @@ class Filesystem(Listener):
                     # daemon's replies to each read and the fetch share the cores).
                     with trio.move_on_after(self.open_wait), contextlib.suppress(OSError):
                         await self.fetcher.wait_complete(node)
-        fh = self._open_handle(node, flags, uid, in_group)
+        fh = self._open_handle(node, flags, uid, member_of)
         if writable and not node.has_data:
             try:
                 await self.open_for_write(node)
@@ -337,7 +348,8 @@ class Filesystem(Listener):
         return (bool(self.open_wait) and self.passthrough.enabled and node.size > 0
                 and node.state == CLOSED and bool(self.copies.elsewhere(node)))
 
-    def _open_handle(self, node: Inode, flags: int, uid: int = 0, in_group: bool = True) -> int:
+    def _open_handle(self, node: Inode, flags: int, uid: int = 0,
+                     member_of: Callable[[int], bool] = ALL_GROUPS) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         node.last_access = time.monotonic()
         fd = self.ram.acquire(node.ino)
@@ -345,7 +357,7 @@ class Filesystem(Listener):
         self._next_fh += 1
         h = self.handles[fh] = Handle(node, fd, writable, bool(flags & os.O_APPEND),
                                       bool(flags & (os.O_SYNC | os.O_DSYNC)), uid,
-                                      in_group)
+                                      member_of)
         node.opens += 1
         if writable:
             node.writers += 1
@@ -404,7 +416,7 @@ class Filesystem(Listener):
         if h.append:
             off = node.size
         if node.mode & SETID and h.uid != 0:
-            self._kill_privs(node, h.in_group)
+            self._kill_privs(node, h.member_of(node.gid))
         try:
             n = self.ram.write(node.ino, h.fd, off, buf, node.size)
         except RamTierFull as e:
@@ -467,7 +479,7 @@ class Filesystem(Listener):
         except OSError as e:
             raise FsError(e.errno or errno.EIO) from None
         if node.mode & SETID and h.uid != 0:
-            self._kill_privs(node, h.in_group)
+            self._kill_privs(node, h.member_of(node.gid))
         node.mtime_ns = node.ctime_ns = time.time_ns()
         if not changes_data:
             # Allocated only: the data is the same (a sealed file keeps its version).

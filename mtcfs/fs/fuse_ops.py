@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from mtcfs.core.namespace import Inode
-from mtcfs.fs.filesystem import Filesystem, FsError, NeedRoom
+from mtcfs.fs.filesystem import ALL_GROUPS, Filesystem, FsError, NeedRoom
 from mtcfs.fs.state_view import STATE_XATTR, FileStateView
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode, flags, ctx):
         node = self.fs.node(inode)
-        fh = await self.fs.open(node, self._open_flags(flags), ctx.uid, _in_group(ctx, node))
+        fh = await self.fs.open(node, self._open_flags(flags), ctx.uid, _member_of(ctx))
         return self._file_info(fh)
 
     def _file_info(self, fh: int) -> pyfuse3.FileInfo:
@@ -285,18 +285,44 @@ class FuseOperations(pyfuse3.Operations):
 
 def _in_group(ctx: Any, node: Inode) -> bool:
     """Is the caller in the file's group? Asked only where it decides something: an
-    unprivileged caller and a set-group-ID file (the kernel passes the caller's
-    primary group only; its other groups are read from /proc)."""
-    if ctx.uid == 0 or not node.mode & stat.S_ISGID or ctx.gid == node.gid:
-        return True
+    unprivileged caller and a set-group-ID file."""
+    return not node.mode & stat.S_ISGID or _member_of(ctx)(node.gid)
+
+
+def _member_of(ctx: Any) -> Callable[[int], bool]:
+    """The caller's group membership, for its handle: every group for root."""
+    return ALL_GROUPS if ctx.uid == 0 else CallerGroups(ctx.gid, ctx.pid)
+
+
+class CallerGroups:
+    """An unprivileged caller's groups: the kernel passes its primary group only; its
+    other groups are read from /proc when first asked (rarely: an unprivileged
+    writer of a set-group-ID file without group execute)."""
+
+    def __init__(self, gid: int, pid: int) -> None:
+        self.gid, self.pid = gid, pid
+        self._others: set[int] | None = None
+
+    def __call__(self, gid: int) -> bool:
+        if gid == self.gid:
+            return True
+        if self._others is None:
+            self._others = _supplementary_groups(self.pid)
+        return self._others is ALL or gid in self._others
+
+
+ALL: set[int] = set()  # (a process gone: counted as in every group, as before this rule)
+
+
+def _supplementary_groups(pid: int) -> set[int]:
     try:
-        with open(f"/proc/{ctx.pid}/status", "rb") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith(b"Groups:"):
-                    return node.gid in {int(g) for g in line.split()[1:]}
+                    return {int(g) for g in line.split()[1:]}
     except OSError:
-        pass  # the caller is gone: as it was before this rule
-    return True
+        pass
+    return ALL
 
 
 def mount_options(fsname: str, extra: list[str]) -> set[str]:

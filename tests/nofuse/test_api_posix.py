@@ -178,6 +178,44 @@ async def test_set_id_bits_cleared_like_linux(make_host) -> None:
     assert h.mode("s") == 0o2745
 
 
+@pytest.mark.parametrize("call", ["write", "fallocate"])
+async def test_the_writers_group_is_asked_at_the_write_not_at_the_open(make_host,
+                                                                        call: str) -> None:
+    """Set-group-ID without group execute stays for a writer in the file's group, and
+    the group is the file's at the write: root may chown the file to the writer's
+    group after the writer opened it (found by the POSIX model, through fallocate)."""
+    h: Host = await make_host()
+    await h.write_file("s", b"x")
+    await h.fs.setattr(h.node("s"), mode=0o2646)  # others may write
+    node = h.node("s")
+    fh = await h.fs.open(node, os.O_WRONLY, 1000, lambda gid: gid == 1000)
+    await h.fs.setattr(node, gid=1000)  # root: now the writer's group
+    await h.fs.setattr(node, mode=0o2646)  # (the chown cleared nothing: no group x)
+    if call == "write":
+        await h.write(fh, 0, b"y")
+    else:
+        await h.fs.fallocate(fh, 0, 0, 1)
+    assert h.mode("s") == 0o2646  # in the group now: kept
+    await h.fs.setattr(node, gid=0)
+    if call == "write":
+        await h.write(fh, 0, b"z")
+    else:
+        await h.fs.fallocate(fh, 0, 0, 2)
+    assert h.mode("s") == 0o646  # not in it: cleared
+    await h.close(fh)
+
+
+async def test_a_callers_groups_are_its_primary_and_its_supplementary_ones() -> None:
+    from mtcfs.fs.fuse_ops import CallerGroups
+
+    others = set(os.getgroups())
+    member_of = CallerGroups(4242, os.getpid())
+    assert member_of(4242) and all(member_of(g) for g in others)
+    assert not member_of(max(others | {4242}) + 1)
+    gone = CallerGroups(4242, 2**22 + 12345)  # no such process: as before, every group
+    assert gone(1) and gone(4242)
+
+
 async def test_xattrs(make_host) -> None:
     h: Host = await make_host()
     node = await h.write_file("f", b"x")
