@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from mtcfs.core.checksums import BLOCK, block_crcs_of_fd
-from mtcfs.core.namespace import CLOSED, OPEN, SEALING
+from mtcfs.core.namespace import CLOSED, OPEN, SEALING, Inode
 from mtcfs.fs.filesystem import FsError
 from mtcfs.tiers.ram import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE
 
@@ -48,6 +48,13 @@ def on_ram(h: Host, path: str) -> tuple[int, bytes | None]:
 def sealed_right(h: Host, path: str) -> bool:
     node = h.node(path)
     return node.state == CLOSED and (node.crc32c, node.block_crcs) == on_ram(h, path)
+
+
+async def start_in_pass(n: trio.Nursery, h: Host, node: Inode, fn, *args) -> None:  # type: ignore[no-untyped-def]
+    """Start `fn(*args)` in `n` and return once its seal's checksum pass is in flight."""
+    n.start_soon(fn, *args)
+    while not h.fs.sealer.in_pass(node):
+        await trio.sleep(0)
 
 
 @pytest.fixture
@@ -269,9 +276,7 @@ async def test_a_write_during_the_pass_is_sealed_by_the_release(make_host) -> No
     await h.write(fh, 0, data[:BLOCK])
     node = h.node("f")
     async with trio.open_nursery() as n:
-        n.start_soon(h.fs.flush, fh)
-        while not h.fs.sealer.in_pass(node):
-            await trio.sleep(0)
+        await start_in_pass(n, h, node, h.fs.flush, fh)
         await h.write(fh, 0, b"late")  # during the pass
     assert node.dirty and node.state == OPEN  # that seal did not stand
     await h.fs.release(fh)
@@ -290,9 +295,7 @@ async def test_a_passthrough_write_during_the_fsync_pass_leaves_it_to_the_releas
     node = h.node("f")
     version = node.version
     async with trio.open_nursery() as n:
-        n.start_soon(h.fs.fsync, fh)
-        while not h.fs.sealer.in_pass(node):
-            await trio.sleep(0)
+        await start_in_pass(n, h, node, h.fs.fsync, fh)
         pt_write(h, fh, len(data), b"tail")
     assert node.version == version and not node.fsynced  # that seal did not stand
     await h.close(fh)
@@ -309,35 +312,50 @@ async def test_a_truncate_during_the_pass_with_no_writer_is_sealed_again(pt) -> 
     await h.fs.flush(fh)
     node = h.node("f")
     async with trio.open_nursery() as n:
-        n.start_soon(h.fs.release, fh)
-        while not h.fs.sealer.in_pass(node):
-            await trio.sleep(0)
+        await start_in_pass(n, h, node, h.fs.release, fh)
         await h.fs.setattr(node, size=10)
     assert node.size == 10 and not node.dirty and sealed_right(h, "f")
     assert node.crc32c == crc(data[:10])
 
 
+class PassLog(list):
+    """The seal's checksum passes, as ("pass", mapped) and ("pass over", mapped), and
+    whatever a test adds; each pass takes `delay` seconds more."""
+
+    delay = 0.0
+
+
+@pytest.fixture
+def passes(pt, monkeypatch) -> PassLog:
+    """`pt` with huge pages (its seals' passes read through a mapping), each pass
+    logged."""
+    import mtcfs.fs.sealer as sealer_module
+
+    pt.mount.ram.huge_pages.in_use = True
+    log = PassLog()
+    real_pass = sealer_module.block_crcs_of_fd
+
+    def logged_pass(fd: int, size: int, mapped: bool = False) -> tuple[int, bytes]:
+        log.append(("pass", mapped))
+        got = real_pass(fd, size, mapped=mapped)
+        time.sleep(log.delay)
+        log.append(("pass over", mapped))
+        return got
+
+    monkeypatch.setattr(sealer_module, "block_crcs_of_fd", logged_pass)
+    return log
+
+
 @pytest.mark.parametrize("how", ["truncate", "open O_TRUNC", "punch"])
-async def test_a_shrink_waits_for_a_mapped_pass(pt, monkeypatch, how: str) -> None:
+async def test_a_shrink_waits_for_a_mapped_pass(pt, passes: PassLog, monkeypatch,
+                                                how: str) -> None:
     """With huge pages the seal's pass reads the RAM file through a mapping, where a
     page past the end is SIGBUS and a hole touched is a page allocated: a truncate,
     an O_TRUNC open and a punched hole wait until the pass is over (the pass is made
     slow here)."""
-    import mtcfs.fs.sealer as sealer_module
-
     h: Host = pt
-    h.mount.ram.huge_pages.in_use = True
-    log: list[tuple[str, bool]] = []
-    real_pass = sealer_module.block_crcs_of_fd
-
-    def slow_pass(fd: int, size: int, mapped: bool = False) -> tuple[int, bytes]:
-        log.append(("pass", mapped))
-        got = real_pass(fd, size, mapped=mapped)
-        time.sleep(0.3)
-        log.append(("pass over", mapped))
-        return got
-
-    monkeypatch.setattr(sealer_module, "block_crcs_of_fd", slow_pass)
+    log = passes
+    log.delay = 0.3
     ram = h.mount.ram
     for name in ("truncate", "fallocate"):
         real = getattr(ram, name)
@@ -349,20 +367,17 @@ async def test_a_shrink_waits_for_a_mapped_pass(pt, monkeypatch, how: str) -> No
         monkeypatch.setattr(ram, name, spy)
     data = os.urandom(3 * BLOCK)
     fh = await pt_file(h, "f", data)
-    await h.fs.flush(fh)
     node = h.node("f")
     async with trio.open_nursery() as n:
-        n.start_soon(h.fs.release, fh)
-        while not h.fs.sealer.in_pass(node):
-            await trio.sleep(0)
+        # An fsync's pass, the writer still there: nothing else seals before the shrink.
+        await start_in_pass(n, h, node, h.fs.fsync, fh)
         if how == "truncate":
             await h.fs.setattr(node, size=10)
         elif how == "open O_TRUNC":
             await h.close(await h.fs.open(node, os.O_WRONLY | os.O_TRUNC))
         else:
-            wh = await h.fs.open(node, os.O_RDWR)
-            await h.fs.fallocate(wh, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, BLOCK)
-            await h.close(wh)
+            await h.fs.fallocate(fh, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, BLOCK)
+    await h.close(fh)
     shrink = "fallocate" if how == "punch" else "truncate"
     at = [k for k, (what, _) in enumerate(log) if what == shrink][0]
     before = [what for what, _ in log[:at]]
@@ -372,19 +387,8 @@ async def test_a_shrink_waits_for_a_mapped_pass(pt, monkeypatch, how: str) -> No
     assert node.crc32c == crc(want) and sealed_right(h, "f")
 
 
-async def test_a_pass_that_starts_during_a_shrink_reads(pt, monkeypatch) -> None:
-    import mtcfs.fs.sealer as sealer_module
-
+async def test_a_pass_that_starts_during_a_shrink_reads(pt, passes: PassLog) -> None:
     h: Host = pt
-    h.mount.ram.huge_pages.in_use = True
-    seen: list[bool] = []
-    real_pass = sealer_module.block_crcs_of_fd
-
-    def spy(fd: int, size: int, mapped: bool = False) -> tuple[int, bytes]:
-        seen.append(mapped)
-        return real_pass(fd, size, mapped=mapped)
-
-    monkeypatch.setattr(sealer_module, "block_crcs_of_fd", spy)
     fh = await pt_file(h, "f", os.urandom(BLOCK + 1))
     node = h.node("f")
     async with h.fs.sealer.shrinking(node):
@@ -392,6 +396,7 @@ async def test_a_pass_that_starts_during_a_shrink_reads(pt, monkeypatch) -> None
     pt_write(h, fh, 0, b"again")
     await h.fs.fsync(fh)
     await h.close(fh)
+    seen = [mapped for what, mapped in passes if what == "pass"]
     assert seen[:2] == [False, True] and sealed_right(h, "f")
 
 
