@@ -301,20 +301,19 @@ class CallerGroups:
 
     def __init__(self, gid: int, pid: int) -> None:
         self.gid, self.pid = gid, pid
+        self._asked = False
         self._others: set[int] | None = None
 
     def __call__(self, gid: int) -> bool:
         if gid == self.gid:
             return True
-        if self._others is None:
-            self._others = _supplementary_groups(self.pid)
-        return self._others is ALL or gid in self._others
+        if not self._asked:
+            self._asked, self._others = True, _supplementary_groups(self.pid)
+        return self._others is None or gid in self._others
 
 
-ALL: set[int] = set()  # (a process gone: counted as in every group, as before this rule)
-
-
-def _supplementary_groups(pid: int) -> set[int]:
+def _supplementary_groups(pid: int) -> set[int] | None:
+    """None: the process is gone (counted as in every group, as before this rule)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
@@ -322,7 +321,7 @@ def _supplementary_groups(pid: int) -> set[int]:
                     return {int(g) for g in line.split()[1:]}
     except OSError:
         pass
-    return ALL
+    return None
 
 
 def mount_options(fsname: str, extra: list[str]) -> set[str]:
