@@ -74,8 +74,9 @@ def p99(xs: list[float]) -> float:
 
 class Scenario:
     def __init__(self, n: int, seed: int, loss: float, real: int, root: str,
-                 kills: int = KILLED, net: Any = None) -> None:
-        """net: hosts already made (support.grpcnet), else simulated ones."""
+                 kills: int = KILLED, net: Any = None, group: int = 0) -> None:
+        """net: hosts already made (support.grpcnet), else simulated ones; group: hosts
+        per dissemination group (mtcfs.peer.grouped; 0: its choice)."""
         self.n = n
         self.kills = kills
         self.rng = random.Random(seed)
@@ -83,7 +84,8 @@ class Scenario:
         self.committer = ids[0]
         self.real = [ids[0], *self.rng.sample(ids[1:], min(real, n) - 1)]
         if net is None:
-            net = simnet.cluster(n, seed=seed, loss=loss, real_index=self.real, root=root)
+            net = simnet.cluster(n, seed=seed, loss=loss, real_index=self.real, root=root,
+                                 group=group)
         self.net = net
         self.loop = net.loop
         # Hosts time their handlers only in the steady window (the CPU figure): the
@@ -140,6 +142,7 @@ class Scenario:
         self.step_need[step] = len(live) + 2  # every host's files, the mkdir, the rename
         dir_id = f"step{step}"
         t0 = self.loop.now
+        sent0 = sum(h.sent.messages for h in live)
         mk = self._publish(c, step, [simnet.entry(dir_id, "root", f"step_{step}.tmp",
                                                    self._tick(), c.node, is_dir=True)])
         done = self.loop.run_until_true(lambda: c.tree.complete(mk), limit)
@@ -174,7 +177,11 @@ class Scenario:
             raise AssertionError(f"step {step} did not reach every host ({revived} revivals; of "
                                  f"{self.step_need[step]} batches, they have {missing})")
         conv = [self.step_done[(h.node, step)] - t_commit for h in self.live()]
+        # Messages each host sent from the mkdir to the commit, all kinds (membership's
+        # too): what the dissemination of a save costs a host.
+        sent = (sum(h.sent.messages for h in live) - sent0) / len(live)
         return {"commit_s": commit_s, "converge_p99_s": p99(conv), "fsync_s": fsync_s,
+                "messages_per_host": sent,
                 "converge_from_start_p99_s": p99([c + t_commit - t0 for c in conv])}
 
     def window(self, seconds: float) -> dict[str, float]:
@@ -405,13 +412,15 @@ def flap_catch_up(entries: int, root: str) -> dict[str, float]:
 def measure(s: Scenario, steps: int, steady: float) -> dict[str, Any]:
     """The phases common to the simulation and the gRPC check."""
     s.loop.run_until(s.loop.now + 5.0)  # warm-up: everyone probed a few times
-    out: dict[str, Any] = {"hosts": s.n, "real_index_hosts": len(s.real)}
+    out: dict[str, Any] = {"hosts": s.n, "real_index_hosts": len(s.real),
+                           "group": next(iter(s.net.hosts.values())).tree.status()["group"]}
     out.update(s.window(steady))
     saves = [s.save(k) for k in range(1, steps + 1)]
     out["commit_s"] = max(x["commit_s"] for x in saves)
     out["converge_p99_s"] = max(x["converge_p99_s"] for x in saves)
     out["converge_from_start_p99_s"] = max(x["converge_from_start_p99_s"] for x in saves)
     out["fsync_s"] = max(x["fsync_s"] for x in saves)
+    out["save_messages_per_host"] = max(x["messages_per_host"] for x in saves)
     det, victims = s.kill()
     out["killed"] = len(victims)
     out.update(det)
@@ -423,7 +432,7 @@ def measure(s: Scenario, steps: int, steady: float) -> dict[str, Any]:
 
 
 def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: int,
-            steady: float) -> dict[str, Any]:
+            steady: float, group: int = 0) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="mtcfs-scale-", dir="/dev/shm")
     try:
         # The real indexes first, in a process as small as a daemon's: with the
@@ -433,7 +442,7 @@ def run_one(n: int, *, seed: int, loss: float, real: int, steps: int, entries: i
         snap = snapshot_join(entries, root)
         flap = flap_catch_up(entries, root)
         started = time.process_time()
-        s = Scenario(n, seed, loss, real, root)
+        s = Scenario(n, seed, loss, real, root, group=group)
         try:
             out = measure(s, steps, steady)
             out["simulated_s"] = round(s.loop.now, 1)
@@ -532,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="saves measured [2]")
     p.add_argument("--entries", type=int, default=80_000, help="the joiner's index [80000]")
     p.add_argument("--steady", type=float, default=10.0, help="steady window, s [10]")
+    p.add_argument("--group", type=int, default=0,
+                   help="hosts per dissemination group (0: automatic, 1: none) [0]")
     p.add_argument("--check-grpc", type=int, metavar="N", default=0,
                    help="instead: the scenario on N hosts simulated and over gRPC on loopback")
     p.add_argument("--shared-server", action="store_true",
@@ -557,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in args.hosts:
         r = run_one(n, seed=args.seed, loss=args.loss, real=args.real, steps=args.steps,
-                    entries=args.entries, steady=args.steady)
+                    entries=args.entries, steady=args.steady, group=args.group)
         print(json.dumps(r), file=sys.stderr, flush=True)
         results.append(r)
     print(json.dumps(results))

@@ -100,6 +100,9 @@ class MountOptions:
     # The bulk data channel (mtcfs.peer.bulk): where it listens, connections per peer.
     data_listen: str | None = None
     data_connections: int = 4
+    # Hosts per group whose first host carries the group's index batches down one
+    # tree (mtcfs.peer.grouped): 0 automatic (about sqrt(N) from 64 hosts), 1 none.
+    peer_group: int = 0
     # A reader's open of a file a peer holds waits this long for it to arrive whole
     # (then read through passthrough), else reads it as it arrives (0: at once).
     open_wait: float = 0.0
@@ -161,7 +164,8 @@ def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
     """TOML values have types: `daemon = "no"` must not mean true."""
     if name in ("daemon", "insecure", "peer_encryption"):
         ok, want = isinstance(value, bool), "true or false"
-    elif name in ("replicas", "keep_steps", "metrics_port", "data_connections"):
+    elif name in ("replicas", "keep_steps", "metrics_port", "data_connections",
+                  "peer_group"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh",
                   "commit_timeout", "open_wait"):
@@ -435,6 +439,10 @@ def _validate_peers(opts: MountOptions) -> None:
     if (not isinstance(opts.data_connections, int) or isinstance(opts.data_connections, bool)
             or not 0 <= opts.data_connections <= 64):
         raise ConfigError(f"invalid --data-connections {opts.data_connections!r}: 0-64")
+    if (not isinstance(opts.peer_group, int) or isinstance(opts.peer_group, bool)
+            or not 0 <= opts.peer_group <= 1024):
+        raise ConfigError(f"invalid --peer-group {opts.peer_group!r}: 0-1024 "
+                          "(0: automatic, 1: no groups)")
     if opts.peer_encryption and not opts.data_connections and not opts.tls_cert:
         raise ConfigError("--peer-encryption encrypts the data channel: it needs "
                           "--data-connections >= 1 (or TLS with --tls-cert/--tls-key)")

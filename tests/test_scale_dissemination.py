@@ -11,7 +11,7 @@ import tempfile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtcfs.peer import fanout
+from mtcfs.peer import fanout, grouped
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 from support import simnet
@@ -37,8 +37,8 @@ def test_a_batch_is_complete_once_every_live_host_has_it(tmp_path) -> None:
     assert t is not None and t - 1.0 < 0.1
     assert all(("h0042", seq) in h.batches for h in net.hosts.values())
     # The writer sent at most FANOUT copies; the tree is log_8(200) deep, not 200 wide.
-    assert w.tree.counters.forwards_sent <= fanout.FANOUT
-    assert max(h.tree.counters.forwards_sent for h in net.hosts.values()) <= fanout.FANOUT
+    assert w.tree.tree.counters.forwards_sent <= fanout.FANOUT
+    assert max(h.tree.tree.counters.forwards_sent for h in net.hosts.values()) <= fanout.FANOUT
     assert all(h.store.digest() == net.hosts["h0001"].store.digest()
                for h in net.hosts.values())
 
@@ -54,7 +54,7 @@ def test_a_child_dead_mid_way_has_its_subtree_resent() -> None:
     seq = w.publish(batch("h0000", simnet.entry("x", "root", "x", 1, "h0000")))
     t = net.loop.run_until_true(lambda: w.tree.complete(seq), 15.0)
     assert t is not None
-    assert w.tree.counters.regrafts == 1
+    assert w.tree.tree.counters.regrafts == 1
     assert all(("h0000", seq) in h.batches for h in net.hosts.values() if h.up)
 
 
@@ -112,7 +112,7 @@ def test_a_host_away_for_long_catches_up_with_one_snapshot() -> None:
     net.loop.run_until(net.loop.now + 2.0 + 120 * 0.05 + 1.0)
     # Nobody holds anything for it: no queue, no batch in flight.
     assert all(h.tree.in_flight() == 0 for h in net.hosts.values() if h.node != away)
-    assert all(len(h.tree._seen) <= fanout.REMEMBER for h in net.hosts.values())
+    assert all(len(h.tree.tree._seen) <= fanout.REMEMBER for h in net.hosts.values())
     assert all(net.hosts[h].swim.state_of(away) == 2 for h in net.hosts if h != away)
     # Away longer than the routers' repair window: nothing is resent to it, it
     # reconciles with one host's snapshot.
@@ -124,7 +124,7 @@ def test_a_host_away_for_long_catches_up_with_one_snapshot() -> None:
     assert t is not None
     assert back.revivals >= 1
     assert back.snapshot_entries <= 2 * len(net.hosts["h0000"].store.digest())
-    assert sum(h.tree.counters.repairs for h in net.hosts.values()) == 0
+    assert sum(h.tree.tree.counters.repairs for h in net.hosts.values()) == 0
 
 
 @given(ids=st.sets(st.integers(0, 50), min_size=1, max_size=30), start=st.integers(0, 50),
@@ -173,13 +173,23 @@ def test_the_cores_messages_survive_their_protobuf_encoding() -> None:
     raw = wire.gossip_to_pb("h1", m).SerializeToString()
     assert wire.gossip_from_pb(pb.GossipMessage.FromString(raw)) == ("h1", m)
     b = batch("h1", simnet.entry("g", "root", "g", 5, "h1"))
-    f = fanout.Forward("h1", 3, "h5", b, b.ByteSize())
-    raw = wire.tree_to_pb("h2", f).SerializeToString()
-    assert wire.tree_size("h2", f) == len(raw)
-    assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", f)
-    a = fanout.Ack("h1", 3, "h2", "h5")
-    raw = wire.tree_to_pb("h2", a).SerializeToString()
-    assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", a)
+    c = batch("h3", simnet.entry("k", "root", "k", 6, "h3"),
+              simnet.entry("l", "root", "l", 7, "h3"))
+    for parts in ((grouped.Part("h1", 9, b, b.ByteSize()),),
+                  (grouped.Part("h1", 9, b, b.ByteSize()), grouped.Part("h3", 4, c, c.ByteSize()))):
+        f = fanout.Forward("h1", 3, "h5", grouped.Bundle(parts), 0)
+        raw = wire.tree_to_pb("h2", f).SerializeToString()
+        assert wire.tree_size("h2", f) == len(raw)
+        src, got = wire.tree_from_pb(pb.TreeMessage.FromString(raw))
+        assert src == "h2" and isinstance(got, fanout.Forward)
+        assert (got.origin, got.seq, got.end) == ("h1", 3, "h5")
+        assert [(p.origin, p.seq, list(p.payload.entries)) for p in got.payload.parts] == [
+            (p.origin, p.seq, list(p.payload.entries)) for p in parts]
+    for m in (fanout.Ack("h1", 3, "h2", "h5"), grouped.Carried((4, 5), held=True),
+              grouped.Carry(grouped.Part("h1", 9, b, b.ByteSize()))):
+        raw = wire.tree_to_pb("h2", m).SerializeToString()
+        assert wire.tree_size("h2", m) == len(raw)
+        assert wire.tree_from_pb(pb.TreeMessage.FromString(raw)) == ("h2", m)
 
 
 def test_a_coalesced_batch_persists_what_it_applied(tmp_path) -> None:

@@ -43,7 +43,7 @@ from typing import Protocol
 import grpc
 import trio
 
-from mtcfs.peer import fanout, wire
+from mtcfs.peer import fanout, grouped, wire
 from mtcfs.peer.membership import Membership
 from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.v1 import peer_pb2 as pb
@@ -125,7 +125,7 @@ class TreeCalls:
     def __init__(self, members: Membership) -> None:
         self.members = members
 
-    def forward(self, addr: str, msg: fanout.Message) -> grpc.Future:
+    def forward(self, addr: str, msg: object) -> grpc.Future:
         return self.members.stub_for(addr).Forward.future(
             wire.tree_to_pb(self.members.me, msg), timeout=BROADCAST_TIMEOUT,
             metadata=self.members.metadata)
@@ -148,10 +148,12 @@ class Stats:
 class Broadcaster:
     def __init__(self, members: Membership, node_id: str, index: Clocked, outbox: Outbox,
                  calls: TreeCalls, inbox: Inbox, kernel: Settles, commit_timeout: float,
-                 degree: int | None = None) -> None:
+                 degree: int | None = None, group: int = 0) -> None:
         """`outbox`: this host's changes waiting to go (the index puts them there);
         `calls`: one message to one host; `inbox`: another host's batch applied here;
-        `kernel`: settled before an ack says "applied here"."""
+        `kernel`: settled before an ack says "applied here"; `group`: hosts per
+        group whose leader carries their batches (mtcfs.peer.grouped; 0: its
+        choice, 1: every batch down a tree of its writer's own)."""
         self.members = members
         self.node_id = node_id
         self.index = index
@@ -162,15 +164,16 @@ class Broadcaster:
         self.commit_timeout = commit_timeout
         self.stats = Stats()
         # Numbered from the start time in µs: never a number of a previous life's.
-        self.tree = fanout.Fanout(members.me, self.counted, self._apply,
-                                  fanout=degree or DEGREE,
-                                  retry=TREE_RETRY, max_backoff=1,
-                                  first_seq=time.time_ns() // 1000)
+        self.tree = grouped.GroupedFanout(members.me, self.counted, self._apply,
+                                          group=group, fanout=degree or DEGREE,
+                                          retry=TREE_RETRY, max_backoff=1,
+                                          first_seq=time.time_ns() // 1000)
         self._nursery: list[trio.Nursery] = []  # where resends run, once it runs
         # Forward handlers waiting for their range's ack: (origin, seq, end, parent).
         self._replies: dict[tuple[str, int, str, str], list[Reply]] = {}
         self._progress = trio.Event()  # set on every completed batch and membership change
-        self._acks: list[tuple[str, fanout.Message]] = []
+        self._acks: list[tuple[str, object]] = []  # acks and "carried": settle first
+        self._gathering = trio.Event()  # set when this host gathers batches to carry
         self._acks_ready = trio.Event()
         self._flying = trio.Event()  # set when a batch may be in flight: retries to watch
         self._unsettled = False  # a batch applied since the kernel last settled
@@ -198,7 +201,7 @@ class Broadcaster:
         before, after = self._known, set(self.counted())
         self._known = after
         now = time.monotonic()
-        out: fanout.Out = []
+        out: grouped.Out = []
         for addr in sorted(before - after):
             out += self.tree.dead(addr, now)
         for addr in sorted(after - before):
@@ -240,7 +243,11 @@ class Broadcaster:
         self._notify()  # a batch to no one (no other host) is complete at once
 
     def _publish(self, batch: pb.ChangeBatch) -> None:
-        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic())
+        # A catch-up marker goes down this host's own tree (a leader's bundle carries
+        # none); so does a full batch (a catch-up's republication): a tree of its own
+        # costs it little, and its bytes do not travel twice.
+        own = batch.HasField("caught_up") or len(batch.entries) >= MAX_BATCH
+        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic(), own_tree=own)
         self.stats.batches_sent += 1
         self.stats.entries_sent += len(batch.entries)
         self._emit(out)
@@ -260,25 +267,26 @@ class Broadcaster:
 
     # -- messages ----------------------------------------------------------------------
 
-    def on_message(self, src: str, msg: fanout.Message) -> Reply | None:
-        """A forward or an ack from `src` (in the trio thread, from the server). For a
-        forward: the Reply its handler may wait on for the range's ack."""
+    def on_message(self, src: str, msg: object) -> Reply | None:
+        """A forward or an ack from `src`, or a hand-over or its answer (in the trio
+        thread, from the server). For a forward: the Reply its handler may wait on
+        for the range's ack."""
         reply = None
         if isinstance(msg, fanout.Forward):
             reply = Reply()
             self._replies.setdefault((msg.origin, msg.seq, msg.end, src), []).append(reply)
         self._emit(self.tree.on_message(src, msg, time.monotonic()))
-        if isinstance(msg, fanout.Ack):
+        if isinstance(msg, fanout.Ack | grouped.Carried):
             self._notify()
         return reply
 
-    def delivered(self, child: str, msg: fanout.Message) -> None:
-        """A forward's call to `child` returned without the ack: `child` has the batch,
-        and its ack will come as a call of its own (trio thread)."""
-        if isinstance(msg, fanout.Forward):
-            self.tree.delivered(msg.origin, msg.seq, child)
+    def delivered(self, child: str, msg: object) -> None:
+        """A call to `child` returned without an ack: `child` has the batch (a forward's
+        ack will come as a call of its own; a hand-over's "carried" too: trio
+        thread)."""
+        self.tree.delivered(child, msg)
 
-    def acked_in_reply(self, child: str, msg: fanout.Message) -> None:
+    def acked_in_reply(self, child: str, msg: object) -> None:
         """A forward's reply said `child`'s range applied it: its ack (trio thread)."""
         if isinstance(msg, fanout.Forward):
             self.stats.acks_received_in_replies += 1
@@ -291,11 +299,16 @@ class Broadcaster:
         self._deliver(payload)
         self._unsettled = True
 
-    def _emit(self, out: fanout.Out) -> None:
-        if out or self._replies:
+    def _emit(self, out: grouped.Out) -> None:
+        if out or self._replies or self.tree.in_flight():
             self._flying.set()
+        if self.tree.flush_at is not None:
+            self._gathering.set()
         for dst, msg in out:
-            if isinstance(msg, fanout.Ack):
+            if isinstance(msg, grouped.Carried):
+                self._acks.append((dst, msg))  # "carried": applied here too (see run)
+                self._acks_ready.set()
+            elif isinstance(msg, fanout.Ack):
                 waiting = self._replies.pop((msg.origin, msg.seq, msg.end, dst), [])
                 if sum(r.fulfil() for r in waiting):
                     self.stats.acks_in_replies += 1
@@ -349,6 +362,7 @@ class Broadcaster:
             self._nursery.append(nursery)
             nursery.start_soon(self._send_acks)
             nursery.start_soon(self._retry)
+            nursery.start_soon(self._carry)
             while True:
                 await self.outbox.wait()
                 # Let changes gather while a batch of ours is on its way (bounded).
@@ -358,7 +372,18 @@ class Broadcaster:
                         await self._progress.wait()
                 self._flush()
 
-    def _send(self, dst: str, msg: fanout.Message, attempt: int = 0) -> None:
+    async def _carry(self) -> None:
+        """A leader's gathered batches leave grouped.LINGER after the first came."""
+        while True:
+            await self._gathering.wait()
+            self._gathering = trio.Event()
+            while (at := self.tree.flush_at) is not None:
+                await trio.sleep_until(trio.current_time() + max(0.0, at - time.monotonic()))
+                if self.tree.flush_at is not None and time.monotonic() >= self.tree.flush_at:
+                    self._emit(self.tree.flush(time.monotonic()))
+                    self._notify()
+
+    def _send(self, dst: str, msg: object, attempt: int = 0) -> None:
         """One message down or up a tree, not waited for: its call's outcome comes
         back to this trio thread (send_failed, acked_in_reply or delivered)."""
         call = self.calls.forward(dst, msg)
@@ -385,15 +410,19 @@ class Broadcaster:
 
         call.add_done_callback(sent)
 
-    def send_failed(self, dst: str, msg: fanout.Message, attempt: int) -> None:
+    def send_failed(self, dst: str, msg: object, attempt: int) -> None:
         """A call carrying `msg` failed (in the trio thread): send it again shortly,
-        unless the host is no longer one of the trees'."""
+        unless the host is no longer one of the trees'; a hand-over goes down this
+        host's own tree at once."""
         self.stats.send_errors += 1
-        if attempt < RESENDS:
+        if isinstance(msg, grouped.Carry):
+            self._emit(self.tree.failed(dst, msg, time.monotonic()))
+            self._notify()
+        elif attempt < RESENDS:
             for nursery in self._nursery:  # (none before it runs)
                 nursery.start_soon(self._resend, dst, msg, attempt + 1)
 
-    async def _resend(self, dst: str, msg: fanout.Message, attempt: int) -> None:
+    async def _resend(self, dst: str, msg: object, attempt: int) -> None:
         await trio.sleep(RESEND * attempt)
         p = self.members.peers.get(dst)
         if p is None or not p.dead:
@@ -407,6 +436,7 @@ class Broadcaster:
             self._flying = trio.Event()
             await trio.sleep(TICK)
             self._emit(self.tree.tick(time.monotonic()))
+            self._notify()  # (a batch whose leader told "carried" may complete in it)
             for key in [k for k, rs in self._replies.items() if all(r.abandoned for r in rs)]:
                 del self._replies[key]  # their acks go as calls of their own
 

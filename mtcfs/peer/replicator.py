@@ -52,6 +52,7 @@ class PeerSettings:
     tls: tuple[bytes, bytes, bytes | None] | None = None
     failure_domain: str = ""
     commit_timeout: float = 10.0
+    peer_group: int = 0  # hosts per dissemination group (mtcfs.peer.grouped; 0: auto)
 
 
 @dataclass(frozen=True)

@@ -183,11 +183,20 @@ def check_tree(m: pb.TreeMessage) -> None:
         raise BadRequest("a tree message names its sender and the batch's writer")
     if m.seq < 1 or m.seq >= MAX_COUNTER:
         raise BadRequest("batch number out of range")
+    if m.ack + m.carry + bool(m.carried) > 1:
+        raise BadRequest("a tree message is one of an ack, a hand-over and a reply to one")
     if m.ack:
         if not m.start:
             raise BadRequest("an ack names its range")
+    elif m.carried:
+        if len(m.carried) > MAX_ENTRIES_PER_BATCH:
+            raise BadRequest(f"too many batches listed ({len(m.carried)})")
+        if any(not 1 <= s < MAX_COUNTER for s in m.carried):
+            raise BadRequest("batch number out of range")
     else:
         check_batch(m.batch)
+        if m.carry and m.batch.parts:
+            raise BadRequest("a hand-over is one writer's batch")
 
 
 def check_gone(m: pb.GoneRequest) -> None:
@@ -214,3 +223,22 @@ def check_batch(batch: pb.ChangeBatch) -> None:
         raise BadRequest("bad host address in a catch-up marker or a coverage list")
     if not 0 <= batch.caught_up.since_unix < 1e11:  # (NaN fails both)
         raise BadRequest("a catch-up marker's start out of range")
+    if batch.parts:
+        check_parts(batch)
+
+
+def check_parts(batch: pb.ChangeBatch) -> None:
+    """A bundle's writers (mtcfs.peer.grouped): each names its batch, and their entries
+    add up to the bundle's."""
+    if len(batch.parts) > MAX_ENTRIES_PER_BATCH:
+        raise BadRequest(f"too many parts ({len(batch.parts)})")
+    if len(batch.parts) > 1 and (batch.HasField("caught_up") or batch.HasField("coverage")):
+        raise BadRequest("a catch-up marker or a coverage list in a bundle")
+    for p in batch.parts:
+        if not p.origin or len(p.origin) > MAX_ADDRESS:
+            raise BadRequest("a part's writer is empty or too long")
+        if not 1 <= p.seq < MAX_COUNTER:
+            raise BadRequest("a part's batch number out of range")
+        check_node_id(p.from_node, "part's writer")
+    if sum(p.entries for p in batch.parts) != len(batch.entries):
+        raise BadRequest("a bundle's parts do not add up to its entries")

@@ -131,6 +131,12 @@ class _Member:
     suspect_deadline: float = 0.0
 
 
+# The configured members not heard of since the start share one record, copied
+# before its first change (Swim._own): a job starts knowing thousands of hosts,
+# and the simulation runs thousands of such hosts in one process.
+_UNHEARD = _Member(ALIVE, 0)
+
+
 @dataclass(slots=True)
 class _Probe:
     target: str
@@ -180,7 +186,7 @@ class Swim:
         self.listener = listener
         self.rng = rng
         self.partners = partners
-        self.members: dict[str, _Member] = {m: _Member(ALIVE, 0) for m in members if m != me}
+        self.members: dict[str, _Member] = {m: _UNHEARD for m in members if m != me}
         # Kept up to date on every change, so that no timer or batch scans all members:
         self._live = sorted(self.members)  # alive or suspect, by node id
         self._dead: set[str] = set()
@@ -446,6 +452,7 @@ class Swim:
             if m is None:
                 self._learn(u, now)
                 continue
+            m = self._own(u.node, m)
             was = m.state
             m.state, m.incarnation = u.state, u.incarnation
             self._index(u.node, was, u.state)
@@ -488,6 +495,12 @@ class Swim:
                                   updates=tuple(everyone)))]
         return []  # GOSSIP, SYNC_REPLY: the updates were all
 
+    def _own(self, node: str, m: _Member) -> _Member:
+        """`node`'s record, this host's own (not the shared one) before it changes."""
+        if m is _UNHEARD:
+            m = self.members[node] = _Member(ALIVE, 0)
+        return m
+
     def _forget_deaths(self) -> None:
         for node in [n for n, (v, _) in self._news.items() if v.state != ALIVE]:
             del self._news[node]
@@ -527,6 +540,7 @@ class Swim:
             newer = m.state != DEAD and u.incarnation >= m.incarnation
         if not newer:
             return
+        m = self._own(u.node, m)
         was, was_incarnation = m.state, m.incarnation
         m.state, m.incarnation = u.state, u.incarnation
         self._index(u.node, was, u.state)

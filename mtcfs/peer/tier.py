@@ -273,7 +273,8 @@ def build_peer_tier(ns: Namespace, ram: RamTier, copies: Copies, events: Listene
     remote = RemoteChanges(index, events, node_id)
     markers = Markers()  # the inbox puts, CatchUps takes
     broadcaster = Broadcaster(members, node_id, index, outbox, TreeCalls(members),
-                              Inbox(remote, markers, stats), kernel, settings.commit_timeout)
+                              Inbox(remote, markers, stats), kernel, settings.commit_timeout,
+                              group=settings.peer_group)
     puller = SnapshotPuller(members, remote, outbox, stats, settings, transfers)
     # Peers found dead since we started, caught up with once they are back.
     catchups = CatchUps(members.me, members, puller, broadcaster, events, markers)

@@ -2,7 +2,8 @@
 lossy in-process network: what the scale tests and bench/scale.py run.
 
 Each SimHost runs mtcfs's own cores: mtcfs.peer.swim (membership) and
-mtcfs.peer.fanout (index dissemination), with replica partners from
+mtcfs.peer.grouped over mtcfs.peer.fanout (index dissemination: a group's
+leader carries its batches down one tree), with replica partners from
 mtcfs.peer.placement. Only the transport and the clock are the simulation's:
 `Net` delivers each message after a random latency (reordering follows),
 drops some (loss), and none across a partition or to a host that is down;
@@ -35,7 +36,7 @@ from typing import Protocol
 
 from mtcfs.core.namespace import Namespace
 from mtcfs.core.store import MetaStore
-from mtcfs.peer import fanout, placement, swim, wire
+from mtcfs.peer import fanout, grouped, placement, swim, wire
 from mtcfs.peer.index import ReplicatedIndex
 from mtcfs.peer.v1 import peer_pb2 as pb
 
@@ -212,6 +213,7 @@ class SimHost:
     replicas: int = 1
     config: swim.SwimConfig | None = None
     fanout_degree: int = fanout.FANOUT
+    group: int = 0  # hosts per dissemination group (grouped.group_size; 0: its choice)
     cpu: float = 0.0  # thread CPU seconds in this host's code
     sent: Traffic = field(default_factory=Traffic)
     received: Traffic = field(default_factory=Traffic)
@@ -227,9 +229,10 @@ class SimHost:
         self.batches = BatchSet(self.net.ledger, self.node)
         self.swim = swim.Swim(self.node, self.members, self, self.net.rng, self.config,
                               partners=self._partners, now=loop.now)
-        self.tree = fanout.Fanout(self.node, self.swim.live, self._deliver,
-                                  fanout=self.fanout_degree)
+        self.tree = grouped.GroupedFanout(self.node, self.swim.live, self._deliver,
+                                          group=self.group, fanout=self.fanout_degree)
         self._out: list[tuple[str, object]] = []
+        self._flush_at: float | None = None  # when a leader's gathered batches leave
         self._ring_at = self.ring.index(self.node)
         self.up = True
         loop.after(self.net.rng.random() * swim.TICK, self._tick)
@@ -280,6 +283,8 @@ class SimHost:
 
     def _deliver(self, origin: str, seq: int, payload: object) -> None:
         assert isinstance(payload, pb.ChangeBatch)
+        if (origin, seq) in self.batches:
+            return  # (it came down two trees: its leader's and its writer's own)
         self._applied(origin, seq, payload)
         if self.on_batch is not None:
             self.on_batch(self, origin, seq)
@@ -327,9 +332,24 @@ class SimHost:
         t0 = self._clock()
         self._send(self.swim.join(seed), t0)
 
+    def _flush(self) -> None:
+        self._flush_at = None
+        at = self.tree.flush_at
+        if not self.up or at is None:
+            return
+        if at > self.net.loop.now:
+            self._send([], self._clock())  # (schedules it again)
+            return
+        t0 = self._clock()
+        self._send(self.tree.flush(self.net.loop.now), t0)
+
     def _send(self, out: list, t0: float) -> None:
         out += self._out
         self._out = []
+        at = self.tree.flush_at
+        if at is not None and self._flush_at is None:
+            self._flush_at = at
+            self.net.loop.at(at, self._flush)
         sized = []
         sent = self.sent
         for dst, msg in out:
@@ -396,7 +416,7 @@ def node_ids(n: int) -> list[str]:
 
 def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[str] = (),
             root: str | None = None, config: swim.SwimConfig | None = None,
-            replicas: int = 1, fanout_degree: int = fanout.FANOUT) -> Net:
+            replicas: int = 1, fanout_degree: int = fanout.FANOUT, group: int = 0) -> Net:
     """n hosts, all alive, each knowing every other (as from --peers); the hosts of
     `real_index` run the real replicated index (under `root`), the rest a CompactStore."""
     loop = Loop()
@@ -410,7 +430,7 @@ def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[st
         store: Store = (IndexStore(i, os.path.join(root or "", i)) if i in real
                         else CompactStore(net.ledger, i))
         net.hosts[i] = SimHost(i, net, store, ids, ring, replicas=replicas, config=config,
-                               fanout_degree=fanout_degree)
+                               fanout_degree=fanout_degree, group=group)
     return net
 
 

@@ -115,18 +115,34 @@ class Link(_message.Message):
     def __init__(self, parent: _Optional[str] = ..., name: _Optional[bytes] = ...) -> None: ...
 
 class ChangeBatch(_message.Message):
-    __slots__ = ("from_node", "lamport", "entries", "caught_up", "coverage")
+    __slots__ = ("from_node", "lamport", "entries", "caught_up", "coverage", "parts")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     LAMPORT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     lamport: int
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
     caught_up: CaughtUp
     coverage: Coverage
-    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., caught_up: _Optional[_Union[CaughtUp, _Mapping]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[Part]
+    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., caught_up: _Optional[_Union[CaughtUp, _Mapping]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+
+class Part(_message.Message):
+    __slots__ = ("origin", "seq", "entries", "from_node", "lamport")
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    LAMPORT_FIELD_NUMBER: _ClassVar[int]
+    origin: str
+    seq: int
+    entries: int
+    from_node: str
+    lamport: int
+    def __init__(self, origin: _Optional[str] = ..., seq: _Optional[int] = ..., entries: _Optional[int] = ..., from_node: _Optional[str] = ..., lamport: _Optional[int] = ...) -> None: ...
 
 class CaughtUp(_message.Message):
     __slots__ = ("hosts", "since_unix")
@@ -281,7 +297,7 @@ class GossipMessage(_message.Message):
     def __init__(self, from_node: _Optional[str] = ..., kind: _Optional[int] = ..., seq: _Optional[int] = ..., incarnation: _Optional[int] = ..., target: _Optional[str] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ..., node_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., data_port: _Optional[int] = ..., ram_free: _Optional[int] = ..., ready: _Optional[bool] = ..., to: _Optional[str] = ..., stamp: _Optional[int] = ...) -> None: ...
 
 class TreeMessage(_message.Message):
-    __slots__ = ("from_node", "origin", "seq", "end", "ack", "start", "batch")
+    __slots__ = ("from_node", "origin", "seq", "end", "ack", "start", "batch", "carry", "carried", "held")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +305,9 @@ class TreeMessage(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    CARRY_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     origin: str
     seq: int
@@ -296,7 +315,10 @@ class TreeMessage(_message.Message):
     ack: bool
     start: str
     batch: ChangeBatch
-    def __init__(self, from_node: _Optional[str] = ..., origin: _Optional[str] = ..., seq: _Optional[int] = ..., end: _Optional[str] = ..., ack: _Optional[bool] = ..., start: _Optional[str] = ..., batch: _Optional[_Union[ChangeBatch, _Mapping]] = ...) -> None: ...
+    carry: bool
+    carried: _containers.RepeatedScalarFieldContainer[int]
+    held: bool
+    def __init__(self, from_node: _Optional[str] = ..., origin: _Optional[str] = ..., seq: _Optional[int] = ..., end: _Optional[str] = ..., ack: _Optional[bool] = ..., start: _Optional[str] = ..., batch: _Optional[_Union[ChangeBatch, _Mapping]] = ..., carry: _Optional[bool] = ..., carried: _Optional[_Iterable[int]] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class OneWay(_message.Message):
     __slots__ = ()

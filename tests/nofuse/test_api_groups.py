@@ -1,0 +1,98 @@
+"""A group's leader carries its members' index batches down one tree (mtcfs.peer.grouped),
+in the daemon's peer tier, in-process: six hosts in one trio loop over gRPC on
+loopback with --peer-group 3, so the 1st and the 4th host (by address) lead a
+group of three each. A member's commit is on every host when it returns, as
+with a tree of its own; a leader that dies leaves its members' batches to go
+down trees of their own."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from support.inprocess import Host
+from support.ports import free_port
+
+pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
+
+HOSTS = 6
+
+
+async def cluster(make_host) -> list[Host]:
+    """Six hosts, in the sorted order of their addresses: groups of three."""
+    addrs = sorted(f"127.0.0.1:{free_port()}" for _ in range(HOSTS))
+    hosts = []
+    for i, addr in enumerate(addrs):
+        hosts.append(await make_host(
+            f"h{i}", start=False, listen=addr, insecure=True, replicas=0,
+            commit_timeout=15, data_connections=0, peer_group=3,
+            peers=",".join(a for a in addrs if a != addr)))
+    await make_host.start(*hosts)
+    return hosts
+
+
+def tree(h: Host) -> dict:
+    assert h.mount.peers is not None
+    return h.mount.peers.broadcaster.tree_status()
+
+
+def silence(h: Host) -> None:
+    """As a killed daemon: no datagrams out or in, no gRPC server."""
+    p = h.mount.peers
+    assert p is not None and p.server is not None
+    p.members._send = lambda out: None
+    p.members.receive = lambda data, now: None
+    p.server.stop(0)
+
+
+async def test_a_members_commit_is_on_every_host_through_its_leader(make_host) -> None:
+    hosts = await cluster(make_host)
+    addrs = [h.mount.opts.listen for h in hosts]
+    assert [tree(h)["leader"] for h in hosts] == [addrs[0]] * 3 + [addrs[3]] * 3
+    hosts[0].makedirs("step_1")
+    await hosts[0].write_file("step_1/marker", b"m", fsync=True)
+    before = {h.mount.opts.node_id: tree(h) for h in hosts}
+    for i, h in enumerate(hosts):
+        await h.write_file(f"step_1/shard-{i}", b"x" * (i + 1), fsync=True)
+        # The moment a member's fsync returned, every host has its file.
+        for other in hosts:
+            assert other.state(f"step_1/shard-{i}")["size"] == i + 1, (
+                h.mount.opts.node_id, other.mount.opts.node_id)
+    after = {h.mount.opts.node_id: tree(h) for h in hosts}
+
+    def grew(node: str, key: str) -> int:
+        return after[node][key] - before[node][key]
+
+    # The members handed their batches to their leaders, which carried them down
+    # trees of their own; nothing fell back to a tree of its writer's own.
+    for member in ("h1", "h2", "h4", "h5"):
+        assert grew(member, "handed") >= 1 and grew(member, "bundles") == 0, after[member]
+    assert grew("h0", "carried_for_others") >= 2 and grew("h3", "carried_for_others") >= 2
+    assert all(a["own_trees"] == 0 and a["in_flight"] == 0 for a in after.values()), after
+
+
+async def test_a_dead_leaders_members_send_their_batches_down_their_own_trees(
+        make_host) -> None:
+    hosts = await cluster(make_host)
+    member, leader = hosts[4], hosts[3]
+    member.makedirs("before")
+    await member.write_file("before/f", b"1", fsync=True)
+    assert all(h.exists("before/f") for h in hosts)
+    silence(leader)
+    t0 = time.monotonic()
+    member.makedirs("after")
+    await member.write_file("after/f", b"2", fsync=True)
+    took = time.monotonic() - t0
+    # It returned once the leader was found gone (its hand-over failed at once, its
+    # tree waited for SWIM to declare it dead), not at the commit timeout.
+    assert member.mount.peers.broadcaster.stats.timeouts == 0 and took < 12, took
+    for h in hosts:
+        if h is not leader:
+            assert await h.read_file("after/f") == b"2", h.mount.opts.node_id
+    assert tree(member)["own_trees"] >= 1, tree(member)
+    # Once it is dead everywhere, the member leads its group itself: its next batch
+    # gathers nothing for long and goes down its tree.
+    await member.write_file("after/g", b"3", fsync=True)
+    assert all(h.exists("after/g") for h in hosts if h is not leader)
+    assert tree(member)["leader"] == member.mount.opts.listen
