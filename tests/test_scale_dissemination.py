@@ -361,3 +361,42 @@ def test_the_collector_is_paused_while_snapshots_apply_and_back_after_the_last()
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_step_on_100_hosts_goes_down_one_tree_per_group_and_survives_dead_leaders(
+        ) -> None:
+    """Every host publishes its step's batch at once: their groups' leaders (groups of
+    10) carry them, so a host sends about 2 tree messages per group, not per host.
+    Then again with two leaders killed as they gather their groups' batches: their
+    members' batches go down trees of their own once the leaders are found dead,
+    and every live host still has every live host's batch."""
+    net = simnet.cluster(100, seed=5, loss=0.001)
+    net.loop.run_until(2.0)
+    hosts = list(net.hosts.values())
+    assert {h.tree.status()["group"] for h in hosts} == {10}
+
+    def step(k: int, kill: list[str]) -> dict[str, int]:
+        live = [h for h in hosts if h.up]
+        sent0 = sum(h.sent.messages for h in live)
+        seqs = {h.node: h.publish(batch(h.node, simnet.entry(f"s{k}-{h.node}", "root",
+                                                             f"{k}-{h.node}", k, h.node)))
+                for h in live}
+        net.loop.run_until(net.loop.now + 0.003)  # the hand-overs arrived, not the trees
+        for node in kill:
+            net.kill(node)
+        alive = [h for h in live if h.up]
+        t = net.loop.run_until_true(
+            lambda: all(h.tree.complete(seqs[h.node]) for h in alive), 30.0)
+        assert t is not None, [h.node for h in alive if not h.tree.complete(seqs[h.node])]
+        for h in alive:
+            assert all((w.node, seqs[w.node]) in h.batches for w in alive), h.node
+        return {"messages": (sum(h.sent.messages for h in live) - sent0) // len(live),
+                "own_trees": sum(h.tree.counters.own_trees for h in alive)}
+
+    first = step(1, [])
+    # 10 trees of 99 forwards and acks, shared by 100 hosts; the hand-overs and their
+    # answers; membership's messages meanwhile. (One tree per host: about 200.)
+    assert first["messages"] < 40, first
+    leaders = sorted({h.tree.leader() for h in hosts} - {"h0000"})[:2]
+    second = step(2, leaders)
+    assert second["own_trees"] >= 2 * 9 - 2, second  # their members' (a few may have left)

@@ -98,6 +98,7 @@ class _Handed:
     sent: float
     tries: int = 1
     delivered: bool = False  # the transport says the leader has it
+    held: bool = False  # the leader answered the last hand-over: it is on its way
 
 
 @dataclass
@@ -262,7 +263,7 @@ class GroupedFanout:
                 if h is None or (msg.held and h.leader != src):
                     continue
                 if msg.held:
-                    h.delivered = True  # only its leader's death makes it go again
+                    h.held = True  # asked again later, never sent down our own tree
                 else:
                     self._completed(s)
             return []
@@ -327,10 +328,10 @@ class GroupedFanout:
                 wait = max(wait, DELIVERED_RETRY)
             if now < h.sent + wait:
                 continue
-            if h.tries >= TRIES:
+            if h.tries >= TRIES and not h.held:
                 out += self._own_tree(h, now)
             else:
-                h.sent, h.tries, h.delivered = now, h.tries + 1, False
+                h.sent, h.tries, h.delivered, h.held = now, h.tries + 1, False, False
                 self.counters.handed_again += 1
                 out.append((h.leader, Carry(h.part)))
         return out + self._finished()

@@ -1,0 +1,192 @@
+"""mtcfs.peer.grouped, the core alone: hosts in one process, messages handed over at
+once (some dropped on purpose), time given by the test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from mtcfs.peer import grouped, security
+from mtcfs.peer.grouped import Carried, Carry, GroupedFanout, group_size
+from mtcfs.peer.v1 import peer_pb2 as pb
+
+from support import simnet
+
+
+class Hosts:
+    def __init__(self, n: int, group: int) -> None:
+        self.ids = [f"h{i}" for i in range(n)]
+        self.live = {i: [x for x in self.ids if x != i] for i in self.ids}
+        self.got: dict[str, list[tuple[str, int]]] = {i: [] for i in self.ids}
+        self.hosts = {i: GroupedFanout(i, self._live_of(i), self._deliver_to(i), group=group)
+                      for i in self.ids}
+        self.drop: Callable[[str, str, object], bool] = lambda src, dst, msg: False
+        self.down: set[str] = set()
+
+    def _live_of(self, i: str) -> Callable[[], list[str]]:
+        return lambda: self.live[i]
+
+    def _deliver_to(self, i: str) -> Callable[[str, int, object], None]:
+        return lambda origin, seq, payload: self.got[i].append((origin, seq))
+
+    def run(self, out: list, src: str, now: float) -> None:
+        todo = [(src, dst, m) for dst, m in out]
+        while todo:
+            s, d, m = todo.pop(0)
+            if d in self.down or self.drop(s, d, m):
+                continue
+            todo += [(d, d2, m2) for d2, m2 in self.hosts[d].on_message(s, m, now)]
+
+    def publish(self, i: str, now: float) -> int:
+        seq, out = self.hosts[i].publish(pb.ChangeBatch(from_node=i), 10, now)
+        self.run(out, i, now)
+        return seq
+
+    def tick(self, now: float) -> None:
+        for i, h in self.hosts.items():
+            if i not in self.down:
+                self.run(h.tick(now), i, now)
+
+    def kill(self, node: str, now: float) -> None:
+        self.down.add(node)
+        for i in self.ids:
+            if node in self.live[i]:
+                self.live[i] = [x for x in self.live[i] if x != node]
+                if i not in self.down:
+                    self.run(self.hosts[i].dead(node, now), i, now)
+
+
+def test_groups_are_about_the_square_root_of_the_hosts_from_64_on() -> None:
+    assert group_size(63) == 1 and group_size(64) == 8 and group_size(10_000) == 100
+    assert group_size(5, 3) == 3 and group_size(10_000, 1) == 1
+
+
+def test_a_step_of_nine_hosts_in_groups_of_three_makes_three_trees() -> None:
+    net = Hosts(9, 3)
+    seqs = {i: net.publish(i, 0.0) for i in net.ids}
+    assert not any(net.hosts[i].complete(s) for i, s in seqs.items())
+    net.tick(grouped.LINGER)  # the leaders' gathered batches leave
+    assert all(net.hosts[i].complete(s) for i, s in seqs.items())
+    for i in net.ids:  # every host has every other host's batch, once
+        assert sorted(net.got[i]) == sorted((o, seqs[o]) for o in net.ids if o != i), i
+    bundles = {i: h.counters.bundles for i, h in net.hosts.items()}
+    assert bundles == {i: int(i in ("h0", "h3", "h6")) for i in net.ids}, bundles
+    assert sum(h.tree.counters.forwards_sent for h in net.hosts.values()) == 3 * 8
+    assert all(h.in_flight() == 0 and h.counters.own_trees == 0 for h in net.hosts.values())
+
+
+def test_without_groups_a_batch_leaves_at_once_down_its_writers_tree() -> None:
+    net = Hosts(5, 1)
+    seq = net.publish("h2", 0.0)
+    assert net.hosts["h2"].complete(seq) and net.hosts["h2"].counters.handed == 0
+    assert all(net.got[i] == [("h2", seq)] for i in net.ids if i != "h2")
+
+
+def test_a_lost_carried_is_told_again_when_the_writer_hands_it_over_again() -> None:
+    net = Hosts(6, 3)
+    lost = []
+
+    def drop(src: str, dst: str, msg: object) -> bool:
+        if isinstance(msg, Carried) and not lost:
+            lost.append(msg)
+            return True
+        return False
+
+    net.drop = drop
+    seq = net.publish("h1", 0.0)
+    net.tick(grouped.LINGER)
+    assert lost and not net.hosts["h1"].complete(seq)
+    net.tick(grouped.LINGER + grouped.RETRY)
+    assert net.hosts["h1"].complete(seq)
+    assert net.hosts["h1"].counters.handed_again == 1 and net.hosts["h1"].counters.own_trees == 0
+    assert net.got["h4"] == [("h1", seq)]  # applied once
+
+
+def test_a_hand_over_sent_again_while_its_leader_gathers_is_held_not_sent_twice() -> None:
+    net = Hosts(6, 3)
+    leader = net.hosts["h0"]
+    seq, out = net.hosts["h2"].publish(pb.ChangeBatch(from_node="h2"), 10, 0.0)
+    net.run(out, "h2", 0.0)
+    leader.flush_at = None  # (keep it gathering: as a leader whose flush is late)
+    answer = leader.on_message("h2", Carry(out[0][1].part), 0.3)
+    assert answer == [("h2", Carried((seq,), held=True))]
+    net.hosts["h2"].on_message("h0", answer[0][1], 0.3)
+    # Held: the writer asks again, backing off, but never sends it down its own tree
+    # while its leader answers (unless it dies).
+    for t in range(1, 41):
+        net.run(net.hosts["h2"].tick(t / 4), "h2", t / 4)
+    assert net.hosts["h2"].counters.own_trees == 0
+    assert 3 <= net.hosts["h2"].counters.handed_again <= 6
+    net.run(leader.flush(10.0), "h0", 10.0)
+    assert net.hosts["h2"].complete(seq) and net.got["h5"] == [("h2", seq)]
+
+
+def test_a_dead_leaders_members_send_their_batches_down_their_own_trees() -> None:
+    net = Hosts(6, 3)
+    net.down.add("h3")  # killed before it answers anything
+    seq = net.publish("h4", 0.0)
+    net.tick(grouped.LINGER)
+    assert not net.hosts["h4"].complete(seq)
+    net.kill("h3", 1.0)  # declared dead: the hand-over goes down h4's own tree
+    assert net.hosts["h4"].complete(seq) and net.hosts["h4"].counters.own_trees == 1
+    assert all(net.got[i] == [("h4", seq)] for i in net.ids if i not in ("h3", "h4"))
+    assert net.hosts["h4"].leader() == "h4"  # the first live host of its group now
+
+
+def test_a_writer_falls_back_to_its_own_tree_when_its_leader_never_answers() -> None:
+    net = Hosts(6, 3)
+    net.drop = lambda src, dst, msg: isinstance(msg, Carry)
+    seq = net.publish("h5", 0.0)
+    t = 0.0
+    while not net.hosts["h5"].complete(seq) and t < 5:
+        t += 0.05
+        net.tick(t)
+    assert net.hosts["h5"].complete(seq) and net.hosts["h5"].counters.own_trees == 1
+    assert t < (1 + 2 + 4) * grouped.RETRY + 0.1, t
+
+
+@pytest.mark.parametrize("how", ["restarted", "failed"])
+def test_a_restarted_leader_or_a_failed_hand_over_goes_down_the_writers_tree(how) -> None:
+    net = Hosts(6, 3)
+    w = net.hosts["h1"]
+    seq, out = w.publish(pb.ChangeBatch(from_node="h1"), 10, 0.0)
+    (dst, msg), = out
+    w.delivered(dst, msg)
+    assert w.waiting_on(seq) == {"h0"}
+    net.run(w.restarted("h0", 0.1) if how == "restarted" else w.failed("h0", msg, 0.1),
+            "h1", 0.1)
+    assert w.complete(seq) and w.counters.own_trees == 1
+
+
+def test_a_bundles_tree_message_is_checked_before_it_is_applied() -> None:
+    e = simnet.entry("g", "root", "g", 5, "h1")
+    good = pb.TreeMessage(from_node="a:1", origin="a:1", seq=3, end="b:1", batch=pb.ChangeBatch(
+        from_node="h1", entries=[e, e], parts=[
+            pb.Part(origin="a:1", seq=1, entries=1, from_node="h1"),
+            pb.Part(origin="c:1", seq=7, entries=1, from_node="h2")]))
+    security.check_tree(good)
+    bad = []
+    m = pb.TreeMessage()
+    m.CopyFrom(good)
+    m.batch.parts[1].entries = 2  # the parts do not add up to the entries
+    bad.append(m)
+    m = pb.TreeMessage()
+    m.CopyFrom(good)
+    m.batch.parts[0].seq = 0
+    bad.append(m)
+    m = pb.TreeMessage()
+    m.CopyFrom(good)
+    m.batch.parts[0].from_node = "../x"
+    bad.append(m)
+    m = pb.TreeMessage()
+    m.CopyFrom(good)
+    m.carry = True  # a hand-over is one writer's
+    bad.append(m)
+    bad.append(pb.TreeMessage(from_node="a:1", origin="a:1", seq=1, carried=[0]))
+    bad.append(pb.TreeMessage(from_node="a:1", origin="a:1", seq=1, carried=[1], ack=True,
+                              start="x"))
+    for m in bad:
+        with pytest.raises(security.BadRequest):
+            security.check_tree(m)
+    security.check_tree(pb.TreeMessage(from_node="a:1", origin="a:1", seq=1, carried=[1, 2]))
