@@ -45,7 +45,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import Context, Row  # noqa: E402  (bench/common.py)
 
-from mtcfs.peer import placement  # noqa: E402
+from mtcfs.peer import grouped, placement  # noqa: E402
 from mtcfs.peer.index import gc_paused  # noqa: E402
 from mtcfs.peer.server import SNAPSHOT_BATCH  # noqa: E402
 from mtcfs.peer.tier import MAX_BATCH  # noqa: E402
@@ -98,6 +98,7 @@ class Scenario:
         self.step_need: dict[int, int] = {}
         self.step_have: dict[tuple[str, int], int] = {}
         self.step_done: dict[tuple[str, int], float] = {}
+        self._bundle_steps: dict[grouped.Bundle, dict[int, int]] = {}
         for h in self.net.hosts.values():
             h.on_batch = self._on_batch
 
@@ -108,14 +109,28 @@ class Scenario:
     def live(self) -> list[simnet.SimHost]:
         return [h for h in self.net.hosts.values() if h.up]
 
-    def _on_batch(self, host: simnet.SimHost, origin: str, seq: int) -> None:
-        step = self.step_of.get((origin, seq))
-        if step is None:
-            return
-        key = (host.node, step)
-        self.step_have[key] = self.step_have.get(key, 0) + 1
-        if self.step_have[key] == self.step_need[step]:
-            self.step_done[key] = self.loop.now
+    def _on_batch(self, host: simnet.SimHost, parts: Sequence[grouped.Part],
+                  bundle: grouped.Bundle | None) -> None:
+        if bundle is not None and parts is bundle.parts:
+            # A whole bundle: its batches per step counted once, not once per host.
+            counts = self._bundle_steps.get(bundle)
+            if counts is None:
+                counts = self._bundle_steps[bundle] = self._steps_in(parts)
+        else:
+            counts = self._steps_in(parts)
+        for step, n in counts.items():
+            key = (host.node, step)
+            have = self.step_have[key] = self.step_have.get(key, 0) + n
+            if have == self.step_need[step]:
+                self.step_done[key] = self.loop.now
+
+    def _steps_in(self, parts: Sequence[grouped.Part]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for p in parts:
+            step = self.step_of.get((p.origin, p.seq))
+            if step is not None:
+                counts[step] = counts.get(step, 0) + 1
+        return counts
 
     def _publish(self, host: simnet.SimHost, step: int, entries: list[pb.Entry]) -> int:
         # The batch's (origin, seq) is known before it goes out: the writer applies

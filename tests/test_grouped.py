@@ -27,8 +27,8 @@ class Hosts:
     def _live_of(self, i: str) -> Callable[[], list[str]]:
         return lambda: self.live[i]
 
-    def _deliver_to(self, i: str) -> Callable[[str, int, object], None]:
-        return lambda origin, seq, payload: self.got[i].append((origin, seq))
+    def _deliver_to(self, i: str) -> Callable[[object, object], None]:
+        return lambda parts, bundle: self.got[i].extend((p.origin, p.seq) for p in parts)
 
     def run(self, out: list, src: str, now: float) -> None:
         todo = [(src, dst, m) for dst, m in out]

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -294,9 +294,19 @@ class Broadcaster:
             self._emit(self.tree.on_message(child, ack, time.monotonic()))
             self._notify()
 
-    def _apply(self, origin: str, seq: int, payload: object) -> None:
-        assert isinstance(payload, pb.ChangeBatch)
-        self._deliver(payload)
+    def _apply(self, parts: Sequence[grouped.Part], bundle: grouped.Bundle | None) -> None:
+        """Other hosts' batches applied here: a bundle's in one go (one transaction), as
+        received if this host's own is not among them."""
+        if len(parts) == 1:
+            batch = parts[0].payload
+        elif bundle is not None and parts is bundle.parts and isinstance(
+                bundle.encoded, pb.ChangeBatch):
+            batch = bundle.encoded
+        else:
+            batch = pb.ChangeBatch(from_node=self.node_id,
+                                   entries=[e for p in parts for e in p.payload.entries])
+        assert isinstance(batch, pb.ChangeBatch)
+        self._deliver(batch)
         self._unsettled = True
 
     def _emit(self, out: grouped.Out) -> None:

@@ -35,7 +35,7 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mtcfs.peer import fanout
 from mtcfs.peer.fanout import DELIVERED_RETRY, Ack, Fanout, Forward
@@ -67,6 +67,10 @@ class Bundle:
 
     parts: tuple[Part, ...]
     encoded: object = None
+    origins: frozenset[str] = field(init=False)  # the writers (one check per host)
+
+    def __post_init__(self) -> None:
+        self.origins = frozenset(p.origin for p in self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +123,13 @@ def group_size(hosts: int, group: int = 0) -> int:
 
 class GroupedFanout:
     def __init__(self, me: str, live: Callable[[], Sequence[str]],
-                 deliver: Callable[[str, int, object], None], *, group: int = 0,
-                 fanout: int = fanout.FANOUT, retry: float = fanout.RETRY,
+                 deliver: Callable[[Sequence[Part], Bundle | None], None], *,
+                 group: int = 0, fanout: int = fanout.FANOUT, retry: float = fanout.RETRY,
                  first_seq: int = 0, max_backoff: int = 4) -> None:
-        """As fanout.Fanout (`deliver(origin, seq, payload)` once per batch here, unless
-        it came down two trees); `group`: hosts per group (0: group_size's choice)."""
+        """As fanout.Fanout; `deliver(parts, bundle)`: apply other hosts' batches here,
+        those of a tree's bundle (`bundle.parts` itself unless this host's own is
+        left out), or one handed over (bundle None); each once, unless it came
+        down two trees. `group`: hosts per group (0: group_size's choice)."""
         self.me = me
         self.live = live
         self.deliver = deliver
@@ -278,7 +284,7 @@ class GroupedFanout:
             return []
         if self._carrying(key):  # a duplicate: its "carried" follows the tree
             return [(part.origin, Carried((part.seq,), held=True))]
-        self.deliver(part.origin, part.seq, part.payload)
+        self.deliver((part,), None)
         self._gather(part, now)
         if len(self._gathered) >= MAX_PARTS or self._gathered_bytes >= MAX_BYTES:
             return self.flush(now)
@@ -287,9 +293,11 @@ class GroupedFanout:
     def _deliver_bundle(self, origin: str, seq: int, payload: object) -> None:
         if not isinstance(payload, Bundle):  # (a tree of a peer that does not bundle)
             payload = Bundle((Part(origin, seq, payload, 0),))
-        for p in payload.parts:
-            if p.origin != self.me:  # (this host's own: applied when it published)
-                self.deliver(p.origin, p.seq, p.payload)
+        parts = payload.parts
+        if self.me in payload.origins:  # (this host's own: applied when it published)
+            parts = tuple(p for p in parts if p.origin != self.me)
+        if parts:
+            self.deliver(parts, payload)
 
     # -- the transport's word ----------------------------------------------------------
 

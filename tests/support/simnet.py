@@ -30,7 +30,7 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,6 +78,9 @@ class Loop:
 class Store(Protocol):
     def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None: ...
 
+    def apply_bundle(self, bundle: grouped.Bundle,
+                     parts: Sequence[grouped.Part]) -> None: ...
+
     def digest(self) -> dict[str, tuple[int, str]]: ...
 
     def snapshot(self) -> list[pb.Entry]: ...
@@ -85,18 +88,42 @@ class Store(Protocol):
 
 class Ledger:
     """The batches a simulation's hosts applied: each batch's entries once and, per
-    batch, one bit per host that applied it."""
+    batch, one bit per host that applied it. A batch is one writer's, by (origin,
+    seq), or a bundle of several writers' (mtcfs.peer.grouped) as a whole: one
+    mark per host for the bundle, not one per writer's batch in it."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[str, int], list[pb.Entry]] = {}
-        self.applied: dict[tuple[str, int], bytearray] = {}
+        self.entries: dict[object, list[pb.Entry]] = {}
+        self.applied: dict[object, bytearray] = {}
         self.slots: dict[str, int] = {}
+        # Each writer's batch -> the bundles that carry it (usually one; a second
+        # when it also went down its writer's own tree).
+        self.bundles_of: dict[tuple[str, int], list[grouped.Bundle]] = {}
+        # Bundles with a batch that another bundle carries too: a host applies those
+        # batches one by one (it may have had them from the other).
+        self.shared: dict[grouped.Bundle, set[tuple[str, int]]] = {}
+        self.registered: set[grouped.Bundle] = set()
 
     def slot(self, node: str) -> int:
         return self.slots.setdefault(node, len(self.slots))
 
-    def mark(self, slot: int, key: tuple[str, int],
-             entries: Iterable[pb.Entry] | None = None) -> None:
+    def register(self, bundle: grouped.Bundle) -> None:
+        """A bundle seen for the first time (a bundle of one is marked by its batch's
+        key, not as a bundle)."""
+        if bundle in self.registered:
+            return
+        self.registered.add(bundle)
+        if len(bundle.parts) > 1:
+            self.entries[bundle] = [e for p in bundle.parts for e in p.payload.entries]
+        for p in bundle.parts:
+            key = (p.origin, p.seq)
+            others = self.bundles_of.setdefault(key, [])
+            for other in others:
+                self.shared.setdefault(other, set()).add(key)
+                self.shared.setdefault(bundle, set()).add(key)
+            others.append(bundle)
+
+    def mark(self, slot: int, key: object, entries: Iterable[pb.Entry] | None = None) -> None:
         if entries is not None and not self.entries.get(key):
             self.entries[key] = list(entries)
         bits = self.applied.get(key)
@@ -106,23 +133,29 @@ class Ledger:
             bits.extend(bytes(slot // 8 + 1 - len(bits)))
         bits[slot // 8] |= 1 << (slot % 8)
 
-    def has(self, slot: int, key: tuple[str, int]) -> bool:
+    def _has(self, slot: int, key: object) -> bool:
         bits = self.applied.get(key)
         return bits is not None and slot // 8 < len(bits) and bool(bits[slot // 8]
                                                                   & (1 << (slot % 8)))
 
-    def keys_of(self, slot: int) -> list[tuple[str, int]]:
-        return [k for k in self.applied if self.has(slot, k)]
+    def has(self, slot: int, key: tuple[str, int]) -> bool:
+        """Whether the host of `slot` applied writer's batch `key` (alone or in a bundle)."""
+        return self._has(slot, key) or any(self._has(slot, b)
+                                           for b in self.bundles_of.get(key, ()))
+
+    def keys_of(self, slot: int) -> list[object]:
+        return [k for k in self.applied if self._has(slot, k)]
 
 
 class BatchSet:
-    """The batches one host applied (`key in host.batches`), kept in the ledger."""
+    """The writers' batches one host applied (`(origin, seq) in host.batches`), kept in
+    the ledger."""
 
     def __init__(self, ledger: Ledger, node: str) -> None:
         self.ledger = ledger
         self.slot = ledger.slot(node)
 
-    def add(self, key: tuple[str, int]) -> None:
+    def add(self, key: object) -> None:
         self.ledger.mark(self.slot, key)
 
     def __contains__(self, key: object) -> bool:
@@ -144,6 +177,12 @@ class CompactStore:
             self.ledger.mark(self.slot, (origin, seq), batch.entries)
         else:
             self.merge(batch.entries)
+
+    def apply_bundle(self, bundle: grouped.Bundle,
+                     parts: Sequence[grouped.Part]) -> None:
+        """A bundle whose batches (`parts` of them: those this host lacked) are all
+        applied here now."""
+        self.ledger.mark(self.slot, bundle)
 
     def merge(self, entries: Iterable[pb.Entry]) -> None:
         _merge_into(self.loose, entries)
@@ -180,6 +219,10 @@ class IndexStore:
 
     def apply(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
         self.index.apply(list(batch.entries))
+
+    def apply_bundle(self, bundle: grouped.Bundle,
+                     parts: Sequence[grouped.Part]) -> None:
+        self.index.apply([e for p in parts for e in p.payload.entries])
 
     def snapshot(self) -> list[pb.Entry]:
         return list(self.index.snapshot())
@@ -222,7 +265,10 @@ class SimHost:
     batches: BatchSet = field(init=False)
     revivals: int = 0  # times this host learnt it had been declared dead
     snapshot_entries: int = 0  # entries pulled by reconciliation snapshots
-    on_batch: Callable[[SimHost, str, int], None] | None = None
+    # Called with the writers' batches applied here (a bundle's: `parts` is
+    # `bundle.parts` itself unless some were left out; bundle None: one at a time).
+    on_batch: Callable[[SimHost, Sequence[grouped.Part], grouped.Bundle | None],
+                       None] | None = None
 
     def __post_init__(self) -> None:
         loop = self.net.loop
@@ -281,13 +327,30 @@ class SimHost:
         if mine:
             self.publish(pb.ChangeBatch(from_node=self.node, entries=mine))
 
-    def _deliver(self, origin: str, seq: int, payload: object) -> None:
-        assert isinstance(payload, pb.ChangeBatch)
-        if (origin, seq) in self.batches:
-            return  # (it came down two trees: its leader's and its writer's own)
-        self._applied(origin, seq, payload)
-        if self.on_batch is not None:
-            self.on_batch(self, origin, seq)
+    def _deliver(self, parts: Sequence[grouped.Part], bundle: grouped.Bundle | None) -> None:
+        if bundle is not None:
+            self.net.ledger.register(bundle)
+        if bundle is None or len(bundle.parts) == 1:
+            fresh: Sequence[grouped.Part] = [
+                p for p in parts if (p.origin, p.seq) not in self.batches]
+            for p in fresh:  # (one may have come down two trees: its leader's, its own)
+                assert isinstance(p.payload, pb.ChangeBatch)
+                self._applied(p.origin, p.seq, p.payload)
+            bundle = None
+        else:
+            # A bundle as a whole: one mark in the ledger; its batches one by one only
+            # where another bundle carries some of them too.
+            ledger = self.net.ledger
+            shared = ledger.shared.get(bundle)
+            fresh = parts
+            if shared:
+                fresh = [p for p in parts if (p.origin, p.seq) not in shared
+                         or (p.origin, p.seq) not in self.batches]
+            self.store.apply_bundle(bundle, fresh)
+            if not (isinstance(self.store, CompactStore) and self.store.ledger is ledger):
+                self.batches.add(bundle)
+        if self.on_batch is not None and fresh:
+            self.on_batch(self, fresh, bundle)
 
     def _applied(self, origin: str, seq: int, batch: pb.ChangeBatch) -> None:
         self.store.apply(origin, seq, batch)
