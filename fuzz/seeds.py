@@ -71,6 +71,17 @@ def trees() -> list[pb.TreeMessage]:
            for i, b in enumerate(batches()[:2])]
     out.append(pb.TreeMessage(from_node=PEER, origin=HOST, seq=1, ack=True, start=HOST,
                               end=PEER))
+    # A leader's bundle of two writers' batches, a hand-over, and its answers.
+    first, second = batches()[:2]
+    bundle = pb.ChangeBatch(from_node=PEER_NODE, entries=[*first.entries, *second.entries],
+                            parts=[pb.Part(origin=PEER, seq=7, entries=len(first.entries),
+                                           from_node=PEER_NODE),
+                                   pb.Part(origin="127.0.0.1:9", seq=3, entries=len(second.entries),
+                                           from_node=PEER_NODE)])
+    out.append(pb.TreeMessage(from_node=PEER, origin=PEER, seq=3, end=HOST, batch=bundle))
+    out.append(pb.TreeMessage(from_node=PEER, origin=PEER, seq=8, carry=True, batch=first))
+    out.append(pb.TreeMessage(from_node=PEER, origin=PEER, seq=1, carried=[1, 2]))
+    out.append(pb.TreeMessage(from_node=PEER, origin=PEER, seq=1, carried=[1], held=True))
     return out
 
 

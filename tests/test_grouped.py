@@ -159,6 +159,13 @@ def test_a_restarted_leader_or_a_failed_hand_over_goes_down_the_writers_tree(how
     assert w.complete(seq) and w.counters.own_trees == 1
 
 
+def test_a_hand_over_of_another_hosts_batch_is_ignored() -> None:
+    net = Hosts(6, 3)
+    part = grouped.Part("h2", 1, pb.ChangeBatch(from_node="h2"), 10)
+    assert net.hosts["h0"].on_message("h1", Carry(part), 0.0) == []
+    assert net.got["h0"] == [] and net.hosts["h0"].flush_at is None
+
+
 def test_a_bundles_tree_message_is_checked_before_it_is_applied() -> None:
     e = simnet.entry("g", "root", "g", 5, "h1")
     good = pb.TreeMessage(from_node="a:1", origin="a:1", seq=3, end="b:1", batch=pb.ChangeBatch(

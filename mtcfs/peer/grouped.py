@@ -262,6 +262,8 @@ class GroupedFanout:
 
     def on_message(self, src: str, msg: object, now: float) -> Out:
         if isinstance(msg, Carry):
+            if msg.part.origin != src:
+                return []  # a host hands over its own batches only
             return self._on_carry(msg.part, now)
         if isinstance(msg, Carried):
             for s in msg.seqs:
