@@ -67,6 +67,7 @@ class Bundle:
 
     parts: tuple[Part, ...]
     encoded: object = None
+    encoded_size: int = -1  # bytes of `encoded` (protobuf sizes a message anew each time)
     origins: frozenset[str] = field(init=False)  # the writers (one check per host)
 
     def __post_init__(self) -> None:

@@ -100,8 +100,11 @@ def tree_size(src: str, msg: object) -> int:
     was taken once, at publish)."""
     if isinstance(msg, fanout.Forward):
         head = pb.TreeMessage(from_node=src, origin=msg.origin, seq=msg.seq, end=msg.end)
-        size = (bundle_to_pb(msg.payload).ByteSize() if isinstance(msg.payload, grouped.Bundle)
-                else msg.size)  # (encoded once per bundle; protobuf keeps its size)
+        size = msg.size
+        if isinstance(msg.payload, grouped.Bundle):  # (encoded and sized once per bundle)
+            if msg.payload.encoded_size < 0:
+                msg.payload.encoded_size = bundle_to_pb(msg.payload).ByteSize()
+            size = msg.payload.encoded_size
         return head.ByteSize() + 1 + _varint_len(size) + size
     if isinstance(msg, grouped.Carry):
         head = pb.TreeMessage(from_node=src, origin=msg.part.origin, seq=msg.part.seq,
