@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mtcfs.peer import grouped, security
+from mtcfs.peer import fanout, grouped, security
 from mtcfs.peer.grouped import Carried, Carry, GroupedFanout, group_size
 from mtcfs.peer.v1 import peer_pb2 as pb
 
@@ -97,7 +97,7 @@ def test_a_lost_carried_is_told_again_when_the_writer_hands_it_over_again() -> N
     seq = net.publish("h1", 0.0)
     net.tick(grouped.LINGER)
     assert lost and not net.hosts["h1"].complete(seq)
-    net.tick(grouped.LINGER + grouped.RETRY)
+    net.tick(grouped.LINGER + fanout.RETRY)
     assert net.hosts["h1"].complete(seq)
     assert net.hosts["h1"].counters.handed_again == 1 and net.hosts["h1"].counters.own_trees == 0
     assert net.got["h4"] == [("h1", seq)]  # applied once
@@ -143,7 +143,7 @@ def test_a_writer_falls_back_to_its_own_tree_when_its_leader_never_answers() -> 
         t += 0.05
         net.tick(t)
     assert net.hosts["h5"].complete(seq) and net.hosts["h5"].counters.own_trees == 1
-    assert t < (1 + 2 + 4) * grouped.RETRY + 0.1, t
+    assert t < (1 + 2 + 4) * fanout.RETRY + 0.1, t
 
 
 @pytest.mark.parametrize("how", ["restarted", "failed"])

@@ -42,7 +42,6 @@ from mtcfs.peer.fanout import DELIVERED_RETRY, Ack, Fanout, Forward
 
 RELAY_FROM = 64  # hosts: from this many on, groups of about sqrt(N) (below: no groups)
 LINGER = 0.01  # seconds a leader gathers its group's batches before its tree leaves
-RETRY = 0.25  # seconds before a batch not yet handed over is handed over again
 TRIES = 3  # hand-overs to a leader before the writer sends it down its own tree
 MAX_PARTS = 1024  # batches one bundle carries at most (security bounds the entries)
 MAX_BYTES = 4 << 20  # ... and bytes
@@ -135,6 +134,7 @@ class GroupedFanout:
         self.live = live
         self.deliver = deliver
         self.group = group
+        self.retry = retry  # a hand-over not answered is sent again after this (backing off)
         self.tree = Fanout(me, live, self._deliver_bundle, fanout=fanout, retry=retry,
                            first_seq=first_seq, max_backoff=max_backoff)
         self.counters = Counters()
@@ -334,7 +334,7 @@ class GroupedFanout:
         if self.flush_at is not None and now >= self.flush_at:
             out += self.flush(now)
         for h in list(self._handed.values()):
-            wait = RETRY * (1 << min(h.tries - 1, 4))
+            wait = self.retry * (1 << min(h.tries - 1, 4))
             if h.delivered:
                 wait = max(wait, DELIVERED_RETRY)
             if now < h.sent + wait:
