@@ -86,8 +86,8 @@ class Listener:
     def remote_changed(self, nodes: list[Inode]) -> None:
         """Changes from other hosts were applied to these nodes."""
 
-    def remote_moved(self, node: Inode) -> None:
-        """Another host moved this node (a rename there)."""
+    def remote_moved(self, node: Inode, old_path: str) -> None:
+        """Another host moved this node (a rename there) from `old_path`."""
 
     def remote_removed(self, node: Inode) -> None:
         """Another host's change removed (or replaced) this node here."""
@@ -181,9 +181,9 @@ class Events(Listener):
         for x in self._listeners:
             x.remote_changed(nodes)
 
-    def remote_moved(self, node: Inode) -> None:
+    def remote_moved(self, node: Inode, old_path: str) -> None:
         for x in self._listeners:
-            x.remote_moved(node)
+            x.remote_moved(node, old_path)
 
     def remote_removed(self, node: Inode) -> None:
         for x in self._listeners:

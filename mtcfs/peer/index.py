@@ -68,8 +68,8 @@ class Hooks:
     def attrs_changed(self, node: Inode) -> None:
         """A remote change updated this node's attributes: drop the kernel's copy."""
 
-    def moved(self, node: Inode) -> None:
-        """A remote change moved this node (a rename elsewhere)."""
+    def moved(self, node: Inode, old_path: str) -> None:
+        """A remote change moved this node (a rename elsewhere) from `old_path`."""
 
 
 _gc_pauses = 0
@@ -612,10 +612,11 @@ class ReplicatedIndex:
               name: bytes) -> None:
         """A rename applied here: `node` from `old_name` in `old_parent` to `name` in
         `parent` (a name there was taken aside before), and the kernel told of both."""
+        old_path = self.ns.path_of(node)
         self.ns.rename(old_parent, old_name, parent, name)
         self.hooks.invalidate(old_parent, old_name, node)
         self.hooks.invalidate(parent, name, None)
-        self.hooks.moved(node)
+        self.hooks.moved(node, old_path)
 
     def _release_pending(self, gid: str) -> None:
         waiting = self.pending.pop(gid, [])

@@ -36,8 +36,8 @@ class IndexHooks(Hooks):
         self.queue.drop(node)
         self.events.remote_removed(node)
 
-    def moved(self, node: Inode) -> None:
-        self.events.remote_moved(node)
+    def moved(self, node: Inode, old_path: str) -> None:
+        self.events.remote_moved(node, old_path)
 
     def attrs_changed(self, node: Inode) -> None:
         self.kernel.attrs(node.ino)

@@ -204,16 +204,28 @@ class Uploader(Listener):
                     self.commit_step(d)
         self._lot.unpark_all()
 
-    def remote_moved(self, node: Inode) -> None:
-        """Another host moved `node`: its persisted files are no longer persisted under
-        their (new) names until that host's copies land, which it announces."""
+    def remote_moved(self, node: Inode, old_path: str) -> None:
+        """Another host moved `node` from `old_path`: its persisted files are no longer
+        persisted under their (new) names until that host's copies land, which it
+        announces. A file this host uploaded is copied by this host too: the mover
+        may not have heard of its object yet (an upload that ended moments before
+        the rename), and nobody else would move it: left under its old name, a
+        listing would bring that name back. Copying twice is harmless: the second
+        finds the object there, or its source gone (ServerCopies)."""
         files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
+        new_path = self.ns.path_of(node)
         deadline = time.monotonic() + COPY_GRACE
         with self.ns.store.transaction():
             for f in files:
-                if f.generation:
-                    self.copies.unpersisted(f)
-                    f.copy_grace = deadline
+                if not f.generation:
+                    continue
+                if f.persisted and self.owns(f) and not self.rules.is_temporary(self.ns, f):
+                    old_key = old_path + self.ns.path_of(f)[len(new_path):]
+                    self.server_copies.add(CopyJob(f.ino, self.ns.path_of(f), old_key,
+                                                   f.generation, f.version, move=True))
+                self.copies.unpersisted(f)
+                f.copy_grace = deadline
+            self.server_copies.save()
         # Never uploaded (a temporary name, or not yet): the mover has no object to copy
         # and, without the data, does not upload; the host that sealed it does.
         for f in files:

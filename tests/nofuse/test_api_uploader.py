@@ -216,6 +216,54 @@ async def test_a_rename_of_persisted_files_copies_server_side(make_host,
     assert up.status()["pending_copies"] == 0 and up.idle()
 
 
+async def test_a_file_moved_by_another_host_is_copied_by_its_uploader(
+        make_host, tmp_path: Path) -> None:
+    """Another host renamed the directory of a file this host had just persisted,
+    before it heard of that object (a withdrawal 5 ms after the upload: chaos seed
+    52): this host moves the object to the new name itself. Before, nobody did,
+    and a later listing brought the old name back beside the new one."""
+    h, bucket = await bucket_host(make_host, tmp_path, persist="on-close")
+    up = h.mount.uploader
+    h.makedirs("step_7")
+    node = await h.write_file("step_7/shard", b"payload")
+    await until(lambda: node.persisted, what="step_7/shard persisted")
+    uploads = up.stats.files_uploaded
+    # The rename as the replicated index applies another host's (mtcfs.peer.index).
+    ns = h.mount.ns
+    d = h.node("step_7")
+    ns.rename(ns.inodes[d.parent], b"step_7", ns.inodes[d.parent], b"step_7.gone")
+    h.mount.events.remote_moved(d, "step_7")
+    await until(lambda: node.persisted and not (bucket / "step_7" / "shard").exists(),
+                what="the object moved to the new name", timeout=20)
+    assert (bucket / "step_7.gone" / "shard").read_bytes() == b"payload"
+    assert up.stats.copies == 1 and up.stats.files_uploaded == uploads  # no new upload
+
+
+async def test_a_persisted_directory_renamed_by_another_host_is_copied_once_over(
+        make_host, tmp_path: Path) -> None:
+    """The common case of the test above: the mover knew of the object and copies it
+    too. Whichever copy comes second finds the object there (or its source gone):
+    one object under the new name, none under the old, no conflict."""
+    from support.peercluster import cluster
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    a, b = await cluster(make_host, 2, bucket=f"file://{bucket}", persist="on-close")
+    a.makedirs("d")
+    node = await a.write_file("d/f", b"payload", fsync=True)
+    await until(lambda: node.persisted and b.exists("d/f") and b.node("d/f").persisted,
+                what="d/f persisted, and b heard of it")
+    await b.rename("d", "e")
+    await until(lambda: a.exists("e/f") and node.persisted
+                and (bucket / "e" / "f").exists() and not (bucket / "d" / "f").exists(),
+                what="e/f in the bucket, d/f gone", timeout=30)
+    assert (bucket / "e" / "f").read_bytes() == b"payload"
+    for h in (a, b):
+        assert h.mount.uploader.stats.conflicts == 0
+        await until(lambda h=h: h.mount.uploader.status()["pending_copies"] == 0,
+                    what="no copy left")
+
+
 async def test_hard_links_get_an_object_per_name(make_host, tmp_path: Path) -> None:
     h, bucket = await bucket_host(make_host, tmp_path, persist="on-close")
     up = h.mount.uploader
