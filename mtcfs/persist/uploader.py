@@ -205,23 +205,18 @@ class Uploader(Listener):
         self._lot.unpark_all()
 
     def remote_moved(self, node: Inode, old_path: str) -> None:
-        """Another host moved `node` from `old_path`: its persisted files are no longer
-        persisted under their (new) names until that host's copies land, which it
-        announces. A file this host uploaded is copied by this host too: the mover
-        may not have heard of its object yet (an upload that ended moments before
-        the rename), and nobody else would move it: left under its old name, a
-        listing would bring that name back. Copying twice is harmless: the second
-        finds the object there, or its source gone (ServerCopies)."""
+        """Another host moved `node` from `old_path`: its files are persisted under their
+        new names once that host's copies land, which it announces. This host moves
+        the objects it uploaded too (the mover may not have heard of one yet: left
+        under its old name, a listing brings it back); a second copy is harmless."""
         files = [node] if node.is_file else list(files_under(self.ns, node)) if node.is_dir else []
         new_path = self.ns.path_of(node)
         deadline = time.monotonic() + COPY_GRACE
         with self.ns.store.transaction():
-            for f in files:
-                if not f.generation:
-                    continue
+            for f in (f for f in files if f.generation):
+                path = self.ns.path_of(f)
                 if f.persisted and self.owns(f) and not self.rules.is_temporary(self.ns, f):
-                    old_key = old_path + self.ns.path_of(f)[len(new_path):]
-                    self.server_copies.add(CopyJob(f.ino, self.ns.path_of(f), old_key,
+                    self.server_copies.add(CopyJob(f.ino, path, old_path + path[len(new_path):],
                                                    f.generation, f.version, move=True))
                 self.copies.unpersisted(f)
                 f.copy_grace = deadline
