@@ -12,7 +12,7 @@ import time
 import pytest
 
 from support.inprocess import Host
-from support.ports import free_port
+from support.peercluster import silence, sorted_cluster, tree
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
@@ -21,29 +21,7 @@ HOSTS = 6
 
 async def cluster(make_host) -> list[Host]:
     """Six hosts, in the sorted order of their addresses: groups of three."""
-    addrs = sorted(f"127.0.0.1:{free_port()}" for _ in range(HOSTS))
-    hosts = []
-    for i, addr in enumerate(addrs):
-        hosts.append(await make_host(
-            f"h{i}", start=False, listen=addr, insecure=True, replicas=0,
-            commit_timeout=15, data_connections=0, peer_group=3,
-            peers=",".join(a for a in addrs if a != addr)))
-    await make_host.start(*hosts)
-    return hosts
-
-
-def tree(h: Host) -> dict:
-    assert h.mount.peers is not None
-    return h.mount.peers.broadcaster.tree_status()
-
-
-def silence(h: Host) -> None:
-    """As a killed daemon: no datagrams out or in, no gRPC server."""
-    p = h.mount.peers
-    assert p is not None and p.server is not None
-    p.members._send = lambda out: None
-    p.members.receive = lambda data, now: None
-    p.server.stop(0)
+    return await sorted_cluster(make_host, HOSTS, peer_group=3)
 
 
 async def test_a_members_commit_is_on_every_host_through_its_leader(make_host) -> None:

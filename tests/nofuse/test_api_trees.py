@@ -14,7 +14,7 @@ import pytest
 from mtcfs.peer import dissemination
 
 from support.inprocess import Host
-from support.ports import free_port
+from support.peercluster import silence, sorted_cluster, tree
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
 
@@ -26,20 +26,7 @@ async def cluster(make_host, monkeypatch) -> list[Host]:
     splits the other five into two runs, so its children are the 2nd (range: 2nd
     and 3rd) and the 4th (4th to 6th)."""
     monkeypatch.setattr(dissemination, "DEGREE", 2)
-    addrs = sorted(f"127.0.0.1:{free_port()}" for _ in range(HOSTS))
-    hosts = []
-    for i, addr in enumerate(addrs):
-        hosts.append(await make_host(
-            f"h{i}", start=False, listen=addr, insecure=True, replicas=0,
-            commit_timeout=15, data_connections=0,
-            peers=",".join(a for a in addrs if a != addr)))
-    await make_host.start(*hosts)
-    return hosts
-
-
-def tree(h: Host) -> dict:
-    assert h.mount.peers is not None
-    return h.mount.peers.broadcaster.tree_status()
+    return await sorted_cluster(make_host, HOSTS)
 
 
 async def test_a_commit_is_on_every_host_of_a_deep_tree_when_it_returns(
@@ -65,15 +52,6 @@ async def test_a_commit_is_on_every_host_of_a_deep_tree_when_it_returns(
     assert sent[1] == batches and sent[3] == 2 * batches, sent
     assert sent[2] == sent[4] == sent[5] == 0, sent
     assert all(tree(h)["in_flight"] == 0 for h in hosts)
-
-
-def silence(h: Host) -> None:
-    """As a killed daemon: no datagrams out or in, no gRPC server."""
-    p = h.mount.peers
-    assert p is not None and p.server is not None
-    p.members._send = lambda out: None
-    p.members.receive = lambda data, now: None
-    p.server.stop(0)
 
 
 async def test_hosts_that_die_inside_the_trees_have_their_ranges_re_split(

@@ -25,6 +25,35 @@ async def cluster(make_host: Any, n: int, **cli: Any) -> list[Host]:
     return hosts
 
 
+async def sorted_cluster(make_host: Any, n: int, **cli: Any) -> list[Host]:
+    """n hosts "h0", "h1", ... in the sorted order of their addresses (the order of the
+    dissemination trees and groups), no replicas, no data channel."""
+    addrs = sorted(f"127.0.0.1:{free_port()}" for _ in range(n))
+    hosts = []
+    for i, addr in enumerate(addrs):
+        hosts.append(await make_host(
+            f"h{i}", start=False, listen=addr, insecure=True, replicas=0,
+            commit_timeout=15, data_connections=0,
+            peers=",".join(a for a in addrs if a != addr), **cli))
+    await make_host.start(*hosts)
+    return hosts
+
+
+def tree(h: Host) -> dict:
+    """The host's dissemination status (`peers.tree` in `mtcfs status --json`)."""
+    assert h.mount.peers is not None
+    return h.mount.peers.broadcaster.tree_status()
+
+
+def silence(h: Host) -> None:
+    """As a killed daemon: no datagrams out or in, no gRPC server."""
+    p = h.mount.peers
+    assert p is not None and p.server is not None
+    p.members._send = lambda out: None
+    p.members.receive = lambda data, now: None
+    p.server.stop(0)
+
+
 def ram_bytes(h: Host, path: str) -> bytes:
     """What `h` holds of `path` in its RAM tier (its own file, not a read through it)."""
     node = h.node(path)
