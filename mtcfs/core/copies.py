@@ -217,9 +217,12 @@ class Copies:
         whether the view lists this host as a holder of data it does not have."""
         node.persisted_version, node.generation = persisted_version, generation
         if fresh:
-            disowned = self.node_id in holders
-            node.holders = [h for h in holders if h != self.node_id]
-            node.sources = [s for s in sources if s != self.node_id]
+            me = self.node_id
+            node.holders = list(holders)
+            disowned = me in node.holders
+            if disowned:
+                node.holders = [h for h in node.holders if h != me]
+            node.sources = [s for s in sources if s != me] if sources else []
             node.has_data = False
             return disowned
         node.sources.extend(s for s in sources if s not in node.sources and s != self.node_id)

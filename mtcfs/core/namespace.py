@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from mtcfs.core.store import InodeRow, MetaStore
+from mtcfs.core.store import InodeRow, MetaStore, Params
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ CLOSED = "closed"  # sealed, crc32c known
 INCOMPLETE = "incomplete"  # was open when the daemon died: never served
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Inode:
     ino: int
     mode: int
@@ -107,7 +107,14 @@ class Inode:
         return [(self.parent, self.name), *self.links] if self.linked else []
 
     def row(self) -> InodeRow:
-        return InodeRow(
+        r = InodeRow(*self.params())  # type: ignore[arg-type]
+        r.has_data = bool(r.has_data)
+        return r
+
+    def params(self) -> Params:
+        """The store's row of this inode (MetaStore.put_node): a plain tuple, as
+        thousands are made per snapshot applied."""
+        return (
             self.ino,
             self.mode,
             self.uid,
@@ -125,13 +132,15 @@ class Inode:
             self.version,
             self.persisted_version,
             self.generation,
-            self.has_data,
+            int(self.has_data),
             self.guid,
             self.lamport,
             self.writer,
             ",".join(self.holders),
             self.block_crcs,
             self.author,
+            self.parent if self.linked and self.ino != ROOT else 0,
+            self.name,
         )
 
 
@@ -174,24 +183,35 @@ class Namespace:
             self.inodes[r.ino] = ino
         self.inodes[ROOT].parent = ROOT
         reached = {ROOT}
-        for parent, name, child, alias in self.store.load_dentries():
-            p, c = self.inodes.get(parent), self.inodes.get(child)
-            if p is None or c is None or p.children is None or (alias and c.is_dir):
-                self.store.delete_dentry(parent, name)
-                continue
-            p.children[name] = child
-            if child in reached and c.ino != ROOT:
-                c.links.append((parent, name))  # aliases sort after the own names
-            else:
-                c.parent, c.name = parent, name
-            reached.add(child)
+        for r in sorted(rows.values(), key=lambda r: r.ino):  # (a clash: the older keeps it)
+            p, c = self.inodes.get(r.parent), self.inodes[r.ino]
+            if r.ino == ROOT or p is None or p.children is None or r.name in p.children:
+                continue  # no name of its own (unlinked while open): an orphan, below
+            p.children[r.name] = r.ino
+            c.parent, c.name = r.parent, r.name
+            reached.add(r.ino)
             if c.is_dir:
                 p.subdirs += 1
+        broken = []
+        for parent, name, child in self.store.load_links():
+            p, c = self.inodes.get(parent), self.inodes.get(child)
+            if (p is None or c is None or p.children is None or c.is_dir
+                    or name in p.children):
+                broken.append((parent, name))
+                continue
+            p.children[name] = child
+            if child in reached:
+                c.links.append((parent, name))
+            else:  # (not written so: _detach makes a further name the own one)
+                c.parent, c.name = parent, name
+                reached.add(child)
         for ino_, name, value in self.store.load_xattrs():
             if ino_ in self.inodes:
                 self.inodes[ino_].xattrs[name] = value
         # Inodes no entry points at were unlinked while open when the daemon died.
         with self.store.transaction():
+            for parent, name in broken:
+                self.store.delete_link(parent, name)
             for r in rows.values():
                 if not r.guid and r.ino in self.inodes:
                     self._put(self.inodes[r.ino])  # ids from before schema 3
@@ -247,36 +267,45 @@ class Namespace:
 
     def new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
                   target: bytes | None = None, rdev: int = 0, global_id: str = "") -> Inode:
+        # (Kept lean: a joining host makes hundreds of thousands from a snapshot.)
         now = time.time_ns()
-        node = Inode(self.next_ino, mode, uid, gid, parent.ino, name, 0, now, now, now, rdev,
-                     target)
-        node.guid = global_id or new_guid()
-        self.by_guid[node.guid] = node.ino
-        self.next_ino += 1
-        if node.is_dir:
+        ino = self.next_ino
+        self.next_ino = ino + 1
+        node = Inode(ino, mode, uid, gid, parent.ino, name, 0, now, now, now, rdev, target)
+        guid = node.guid = global_id or new_guid()
+        self.by_guid[guid] = ino
+        if stat.S_ISDIR(mode):
             node.children = {}
-        elif node.is_file:
+        elif stat.S_ISREG(mode):
             node.state = OPEN
         if target is not None:
             node.size = len(target)
-        self.inodes[node.ino] = node
+        self.inodes[ino] = node
         if self.store.depth:  # within a transaction already (a batch from a peer)
-            self._put(node)
-            self._attach(parent, name, node)
-            self._touch_dir(parent, now)
+            self._add_name(parent, name, node, now)
             return node
         with self.store.transaction():
-            self._put(node)
-            self._attach(parent, name, node)
-            self._touch_dir(parent, now)
+            self._add_name(parent, name, node, now)
         return node
 
+    def _add_name(self, parent: Inode, name: bytes, node: Inode, now: int) -> None:
+        """A new node's row (its own name in it: Namespace._attach for a node that has
+        none yet)."""
+        store = self.store
+        store.put_node(node.ino, node.params)
+        assert parent.children is not None
+        parent.children[name] = node.ino
+        if node.children is not None:
+            parent.subdirs += 1
+        parent.mtime_ns = parent.ctime_ns = now  # (_touch_dir)
+        store.put_node(parent.ino, parent.params)
+
     def persist(self, node: Inode) -> None:
-        self._put(node)
+        self.store.put_node(node.ino, node.params)
 
     def _put(self, node: Inode) -> None:
         """Write the node's row (in a coalescing transaction: its state at the end)."""
-        self.store.put_node(node.ino, node.row)
+        self.store.put_node(node.ino, node.params)
 
     def _attach(self, parent: Inode, name: bytes, node: Inode) -> None:
         """Add the name: the node's own if it has none, else a further (hard) link."""
@@ -285,11 +314,12 @@ class Namespace:
         alias = node.linked and not node.is_dir and (node.parent, node.name) != (parent.ino, name)
         if alias:
             node.links.append((parent.ino, name))
+            self.store.put_link(parent.ino, name, node.ino)
         else:
             node.parent, node.name, node.linked = parent.ino, name, True
+            self._put(node)
         if node.is_dir:
             parent.subdirs += 1
-        self.store.put_dentry(parent.ino, name, node.ino, alias)
 
     def _detach(self, parent: Inode, name: bytes) -> Inode:
         """Remove the name; a hard-linked node keeps its other names (the oldest
@@ -299,14 +329,15 @@ class Namespace:
         if (node.parent, node.name) == (parent.ino, name):
             if node.links:
                 node.parent, node.name = node.links.pop(0)
-                self.store.put_dentry(node.parent, node.name, node.ino, False)
+                self.store.delete_link(node.parent, node.name)  # now its own name
             else:
                 node.linked = False
+            self._put(node)
         else:
             node.links.remove((parent.ino, name))
+            self.store.delete_link(parent.ino, name)
         if node.is_dir:
             parent.subdirs -= 1
-        self.store.delete_dentry(parent.ino, name)
         return node
 
     def _move(self, old_parent: Inode, old_name: bytes, new_parent: Inode, new_name: bytes,
@@ -318,15 +349,14 @@ class Namespace:
         new_parent.children[new_name] = node.ino
         if (node.parent, node.name) == (old_parent.ino, old_name):
             node.parent, node.name = new_parent.ino, new_name
-            alias = False
+            self._put(node)
         else:
             node.links[node.links.index((old_parent.ino, old_name))] = (new_parent.ino, new_name)
-            alias = True
+            self.store.delete_link(old_parent.ino, old_name)
+            self.store.put_link(new_parent.ino, new_name, node.ino)
         if node.is_dir and old_parent is not new_parent:
             old_parent.subdirs -= 1
             new_parent.subdirs += 1
-        self.store.delete_dentry(old_parent.ino, old_name)
-        self.store.put_dentry(new_parent.ino, new_name, node.ino, alias)
 
     def _touch_dir(self, d: Inode, now: int) -> None:
         d.mtime_ns = d.ctime_ns = now
@@ -362,17 +392,21 @@ class Namespace:
                 # `other` takes the old name (its entry in new_parent is gone already).
                 new_parent.children[new_name] = node.ino
                 old_parent.children[old_name] = other.ino
+                # Each name's row: an own name is in its inode's row (both written
+                # below), a further name in a link row of its own.
+                self.store.delete_link(old_parent.ino, old_name)
+                self.store.delete_link(new_parent.ino, new_name)
+                if (node.parent, node.name) != (new_parent.ino, new_name):
+                    self.store.put_link(new_parent.ino, new_name, node.ino)
                 if (other.parent, other.name) == (new_parent.ino, new_name):
                     other.parent, other.name = old_parent.ino, old_name
-                    alias = False
                 else:
                     other.links[other.links.index((new_parent.ino, new_name))] = (
                         old_parent.ino, old_name)
-                    alias = True
+                    self.store.put_link(old_parent.ino, old_name, other.ino)
                 if other.is_dir and old_parent is not new_parent:
                     new_parent.subdirs -= 1
                     old_parent.subdirs += 1
-                self.store.put_dentry(old_parent.ino, old_name, other.ino, alias)
                 other.ctime_ns = now
                 self._put(other)
             else:

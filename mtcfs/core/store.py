@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
+# An inode row's columns (_INODE_COLS' order), as Inode.params makes them.
+Params = tuple[object, ...]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -43,8 +45,11 @@ CREATE TABLE IF NOT EXISTS inodes (
     writer TEXT NOT NULL DEFAULT '',
     holders TEXT NOT NULL DEFAULT '',
     block_crcs BLOB,
-    author TEXT NOT NULL DEFAULT ''
+    author TEXT NOT NULL DEFAULT '',
+    parent INTEGER NOT NULL DEFAULT 0,
+    name BLOB NOT NULL DEFAULT x''
 );
+-- Hard links' further names (alias 1); until schema 6 every name (own: alias 0).
 CREATE TABLE IF NOT EXISTS dentries (
     parent INTEGER NOT NULL,
     name BLOB NOT NULL,
@@ -52,7 +57,6 @@ CREATE TABLE IF NOT EXISTS dentries (
     alias INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (parent, name)
 );
-CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
 CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
     generation INTEGER NOT NULL
@@ -74,7 +78,7 @@ CREATE TABLE IF NOT EXISTS xattrs (
 _INODE_COLS = (
     "ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, rdev, target, state, crc32c, version,"
     " persisted_version, generation, has_data, guid, lamport, writer, holders, block_crcs,"
-    " author"
+    " author, parent, name"
 )
 _INODE_PARAMS = ",".join("?" * len(_INODE_COLS.split(",")))
 # Columns added after schema 1, for databases written by older versions.
@@ -100,6 +104,21 @@ _MIGRATIONS = {
         # its last change stood for it).
         "ALTER TABLE inodes ADD COLUMN author TEXT NOT NULL DEFAULT ''",
         "UPDATE inodes SET author = writer",
+    ],
+    5: [
+        # Nothing looked names up by inode: the index only cost every write.
+        "DROP INDEX IF EXISTS dentries_ino",
+        # An inode's own name moves into its row (parent 0: it has none), so that
+        # making a file writes one row (a joining host makes hundreds of thousands);
+        # dentries keep only hard links' further names.
+        "ALTER TABLE inodes ADD COLUMN parent INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE inodes ADD COLUMN name BLOB NOT NULL DEFAULT x''",
+        "UPDATE inodes SET"
+        " parent = COALESCE((SELECT d.parent FROM dentries d"
+        "                    WHERE d.ino = inodes.ino AND d.alias = 0), 0),"
+        " name = COALESCE((SELECT d.name FROM dentries d"
+        "                  WHERE d.ino = inodes.ino AND d.alias = 0), x'')",
+        "DELETE FROM dentries WHERE alias = 0",
     ],
 }
 
@@ -128,6 +147,8 @@ class InodeRow:
     holders: str = ""  # comma-separated node ids with a verified copy of this version
     block_crcs: bytes | None = None  # crc32c per 4 MiB block (mtcfs.core.checksums.BLOCK)
     author: str = ""  # the node that sealed this data version (it uploads, pushes it)
+    parent: int = 0  # the directory of the name it is known by (0: none, unlinked)
+    name: bytes = b""
 
 
 class MetaStore:
@@ -153,9 +174,9 @@ class MetaStore:
                 f"metadata database {path} has schema {row}, this mtcfs needs {SCHEMA_VERSION}"
             )
         self._depth = 0
-        # A coalescing transaction's inode and dentry writes (None: written at once).
-        self._inodes: dict[int, InodeRow | Callable[[], InodeRow] | None] | None = None
-        self._dentries: dict[tuple[int, bytes], tuple[int, int] | None] = {}
+        # A coalescing transaction's inode and link writes (None: written at once).
+        self._inodes: dict[int, Callable[[], Params] | None] | None = None
+        self._links: dict[tuple[int, bytes], int | None] = {}
 
     def _schema_version(self) -> str | None:
         try:
@@ -174,7 +195,7 @@ class MetaStore:
         if self._depth == 0:
             self.db.execute("BEGIN")
             if coalesce:
-                self._inodes, self._dentries = {}, {}
+                self._inodes, self._links = {}, {}
         self._depth += 1
         try:
             yield
@@ -191,26 +212,25 @@ class MetaStore:
             self.db.execute("COMMIT")
 
     def _flush(self) -> None:
-        inodes, dentries = self._inodes, self._dentries
+        inodes, links = self._inodes, self._links
         if inodes is None:
             return
-        self._inodes, self._dentries = None, {}
+        self._inodes, self._links = None, {}
         gone = [(ino,) for ino, r in inodes.items() if r is None]
         if gone:
             self.db.executemany("DELETE FROM inodes WHERE ino=?", gone)
             self.db.executemany("DELETE FROM xattrs WHERE ino=?", gone)
-        rows = [_inode_params(r if isinstance(r, InodeRow) else r())
-                for r in inodes.values() if r is not None]
+        rows = [params() for params in inodes.values() if params is not None]
         if rows:
             self.db.executemany(
                 f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES ({_INODE_PARAMS})",
                 rows)
-        gone_names = [k for k, v in dentries.items() if v is None]
+        gone_names = [k for k, v in links.items() if v is None]
         if gone_names:
             self.db.executemany("DELETE FROM dentries WHERE parent=? AND name=?", gone_names)
-        names = [(*k, *v) for k, v in dentries.items() if v is not None]
+        names = [(*k, v) for k, v in links.items() if v is not None]
         if names:
-            self.db.executemany("INSERT OR REPLACE INTO dentries VALUES (?,?,?,?)", names)
+            self.db.executemany("INSERT OR REPLACE INTO dentries VALUES (?,?,?,1)", names)
 
     def close(self) -> None:
         self.db.close()
@@ -223,31 +243,25 @@ class MetaStore:
             r.has_data = bool(r.has_data)
             yield r
 
-    def load_dentries(self) -> Iterator[tuple[int, bytes, int, bool]]:
-        for parent, name, ino, alias in self.db.execute(
-                "SELECT parent, name, ino, alias FROM dentries ORDER BY alias, parent, name"):
-            yield parent, name, ino, bool(alias)
+    def load_links(self) -> Iterator[tuple[int, bytes, int]]:
+        """Hard links' further names (an inode's own name is in its row)."""
+        yield from self.db.execute("SELECT parent, name, ino FROM dentries ORDER BY parent, name")
 
     def load_xattrs(self) -> Iterator[tuple[int, bytes, bytes]]:
         yield from self.db.execute("SELECT ino, name, value FROM xattrs")
 
     # -- writes ----------------------------------------------------------------
 
-    def put_inode(self, r: InodeRow) -> None:
+    def put_node(self, ino: int, params: Callable[[], Params]) -> None:
+        """Write the inode's row, params() its columns in _INODE_COLS' order; in a
+        coalescing transaction params() is called at its end (once, however often the
+        inode changed)."""
         if self._inodes is not None:
-            self._inodes[r.ino] = r
+            self._inodes[ino] = params
             return
         self.db.execute(
             f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES ({_INODE_PARAMS})",
-            _inode_params(r))
-
-    def put_node(self, ino: int, row: Callable[[], InodeRow]) -> None:
-        """put_inode(row()); in a coalescing transaction, row() is called at its end
-        (once, however often the inode changed)."""
-        if self._inodes is not None:
-            self._inodes[ino] = row
-            return
-        self.put_inode(row())
+            params())
 
     @property
     def depth(self) -> int:
@@ -262,16 +276,16 @@ class MetaStore:
             self.db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
             self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
 
-    def put_dentry(self, parent: int, name: bytes, ino: int, alias: bool = False) -> None:
+    def put_link(self, parent: int, name: bytes, ino: int) -> None:
+        """A further name of a hard-linked inode."""
         if self._inodes is not None:
-            self._dentries[(parent, name)] = (ino, int(alias))
+            self._links[(parent, name)] = ino
             return
-        self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?,?)",
-                        (parent, name, ino, int(alias)))
+        self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?,1)", (parent, name, ino))
 
-    def delete_dentry(self, parent: int, name: bytes) -> None:
+    def delete_link(self, parent: int, name: bytes) -> None:
         if self._inodes is not None:
-            self._dentries[(parent, name)] = None
+            self._links[(parent, name)] = None
             return
         self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
 
@@ -310,9 +324,3 @@ class MetaStore:
 
     def set_meta(self, key: str, value: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO meta VALUES (?,?)", (key, value))
-
-
-def _inode_params(r: InodeRow) -> tuple[object, ...]:
-    return (r.ino, r.mode, r.uid, r.gid, r.size, r.atime_ns, r.mtime_ns, r.ctime_ns, r.rdev,
-            r.target, r.state, r.crc32c, r.version, r.persisted_version, r.generation,
-            int(r.has_data), r.guid, r.lamport, r.writer, r.holders, r.block_crcs, r.author)

@@ -306,10 +306,14 @@ class ReplicatedIndex:
         self.touched = []
         self.disowned = []
         # Coalesced: each inode and name written once per batch, in a few statements.
+        apply_entry, note, aliases = self._apply_entry, self._note, self.ids.aliases
         with self.ns.store.transaction(coalesce=True):
             for e in entries:
-                self.clock = max(self.clock, e.lamport)
-                if self._apply_one(e):
+                if e.lamport > self.clock:
+                    self.clock = e.lamport
+                if apply_entry(e):  # (_apply_one, inlined)
+                    gid = e.id
+                    note(aliases.get(gid, gid))
                     applied += 1
         self.stats.applied += applied
         self.stats.pending = sum(len(v) for v in self.pending.values())
@@ -322,31 +326,41 @@ class ReplicatedIndex:
         return self.ids.resolve(gid)
 
     def _apply_one(self, e: pb.Entry) -> bool:
-        if self._apply_entry(e):
-            self._note(self.resolve(e.id))
-            return True
-        return False
+        if not self._apply_entry(e):
+            return False
+        gid = e.id
+        self._note(self.ids.aliases.get(gid, gid))
+        return True
 
+    # (The path below runs once per entry of every batch and snapshot, hundreds of
+    # thousands of times when a host joins a large job: lookups are inlined.)
     def _apply_entry(self, e: pb.Entry) -> bool:
-        gid = self.resolve(e.id)
-        if gid != e.id and not self._linked(gid):
+        aliases = self.ids.aliases
+        eid = e.id
+        gid = aliases.get(eid, eid)
+        if gid != eid and not self._linked(gid):
             # The directory it merged with is gone: the id stands for itself again (else
             # each change of it made one more node with that id).
-            self.ids.unalias(e.id)
-            gid = e.id
+            self.ids.unalias(eid)
+            gid = eid
         tomb = self.tombstones.get(gid)
         if tomb is not None and (tomb[0], tomb[1]) >= entry_stamp(e):
             self.stats.ignored += 1
             return False
         if e.removed:
             return self._apply_removal(gid, e)
-        parent = self.ns.by_global_id(self.resolve(e.parent))
-        if parent is None or not parent.linked or not parent.is_dir:
+        by_guid, inodes = self.ns.by_guid, self.ns.inodes
+        pid = e.parent
+        pid = aliases.get(pid, pid)
+        ino = by_guid.get(pid)
+        parent = None if ino is None else inodes.get(ino)
+        if parent is None or not parent.linked or parent.children is None:
             # Its directory has not reached us yet: apply when it does.
             if sum(len(v) for v in self.pending.values()) < MAX_PENDING:
-                self.pending.setdefault(self.resolve(e.parent), []).append(e)
+                self.pending.setdefault(pid, []).append(e)
             return False
-        node = self.ns.by_global_id(gid)
+        ino = by_guid.get(gid)
+        node = None if ino is None else inodes.get(ino)
         if node is not None and node.linked:
             done = self._update(node, parent, e)
         else:
@@ -396,7 +410,10 @@ class ReplicatedIndex:
             self.ns.store.put_tombstone(gid, lam, writer, now)
 
     def _create(self, parent: Inode, e: pb.Entry) -> bool:
-        existing = self.ns.child(parent, e.name)
+        name, mode = e.name, e.mode
+        assert parent.children is not None
+        ino = parent.children.get(name)
+        existing = None if ino is None else self.ns.inodes[ino]
         if existing is not None:
             if existing.is_dir and stat.S_ISDIR(e.mode):
                 # The same directory made on two hosts: one directory, two ids.
@@ -417,17 +434,20 @@ class ReplicatedIndex:
             if existing.lamport:  # not merely known from the bucket listing
                 self.stats.conflicts += 1
             self._take_name(parent, e.name, existing)
-        node = self.ns.new_inode(parent, e.name, e.mode, e.uid, e.gid,
-                                 target=e.target if stat.S_ISLNK(e.mode) else None,
+        node = self.ns.new_inode(parent, name, mode, e.uid, e.gid,
+                                 target=e.target if stat.S_ISLNK(mode) else None,
                                  rdev=e.rdev, global_id=e.id)
-        self._set_attrs(node, e)
-        if node.is_file:
+        # (_set_attrs, less what new_inode set)
+        node.mtime_ns, node.ctime_ns = e.mtime_ns, e.ctime_ns
+        node.lamport, node.writer = e.lamport, e.writer
+        if stat.S_ISREG(mode):
             node.has_data = False  # new here: no data of it to forget
             self._set_content(node, e)
-        self._sync_links(node, e)
+        if e.links:
+            self._sync_links(node, e)
         self.ns.persist(node)
         self.touched.append(node)
-        self.hooks.invalidate(parent, e.name, None)
+        self.hooks.invalidate(parent, name, None)
         if node.is_dir:
             self._release_pending(e.id)
             self._merge_ids(node, e)
@@ -545,9 +565,10 @@ class ReplicatedIndex:
         node.lamport, node.writer = e.lamport, e.writer
 
     def _set_content(self, node: Inode, e: pb.Entry) -> None:
-        fresh = not self._same_content(node, e)
+        version, size, crc = e.version, e.size, e.crc32c if e.has_crc else None
+        fresh = not Versions.same_content(node, version, size, crc)
         # (Versions' rules need nothing of this host: no instance of its own here.)
-        Versions.adopted(node, e.version, e.size, e.crc32c if e.has_crc else None,
+        Versions.adopted(node, version, size, crc,
                          bytes(e.block_crcs) if e.block_crcs else None,
                          e.author or e.writer)  # (a peer of an older version: its stamp)
         if fresh and node.has_data:
