@@ -62,6 +62,10 @@ from mtcfs.peer.v1 import peer_pb2 as pb  # noqa: E402
 from support import simnet  # noqa: E402
 
 FILES_PER_HOST = 8  # a step's files per host (shards, metadata)
+# Each of them: 2 GiB per host and step, 20 TB a step at 10,000 hosts (a model of
+# about 1.3 trillion parameters with its Adam state). Its index entry carries a
+# crc32c per 4 MiB block: 64 of them, 256 bytes.
+FILE_BYTES = 256 << 20
 KILLED = 10
 
 
@@ -169,7 +173,7 @@ class Scenario:
         fsyncs = {}
         for h in live:
             es = [simnet.entry(f"s{step}-{h.node}-{k}", dir_id, f"{h.node}-{k}", self._tick(),
-                               h.node, size=1 << 30) for k in range(FILES_PER_HOST)]
+                               h.node, size=FILE_BYTES) for k in range(FILES_PER_HOST)]
             fsyncs[h.node] = self._publish(h, step, es)
         done = self.loop.run_until_true(
             lambda: all(self.net.hosts[n].tree.complete(s) for n, s in fsyncs.items()
@@ -295,7 +299,7 @@ def _build_source(entries: int, root: str,
         for h in range(hosts):
             lam += 1
             src.index.apply([simnet.entry(f"f{step}-{h}-{k}", f"d{step}", f"h{h}-{k}", lam,
-                                          f"h{h:04d}", size=1 << 30)
+                                          f"h{h:04d}", size=FILE_BYTES)
                              for k in range(FILES_PER_HOST)])
     return src
 
@@ -396,7 +400,7 @@ def flap_catch_up(entries: int, root: str) -> dict[str, float]:
     for h in range(hosts):
         lam += 1
         src.index.apply([simnet.entry(f"n-{h}-{k}", "d-new", f"h{h}-{k}", lam,
-                                      f"h{h:04d}", size=1 << 30)
+                                      f"h{h:04d}", size=FILE_BYTES)
                          for k in range(FILES_PER_HOST)])
     clock[0] += away
     out: dict[str, float] = {"flap_changed_entries": hosts * FILES_PER_HOST + 1}

@@ -569,7 +569,7 @@ class ReplicatedIndex:
         fresh = not Versions.same_content(node, version, size, crc)
         # (Versions' rules need nothing of this host: no instance of its own here.)
         Versions.adopted(node, version, size, crc,
-                         bytes(e.block_crcs) if e.block_crcs else None,
+                         e.block_crcs or None,  # (each read of it is a copy)
                          e.author or e.writer)  # (a peer of an older version: its stamp)
         if fresh and node.has_data:
             self.hooks.forget_data(node)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mtcfs.core.checksums import BLOCK
 from mtcfs.core.namespace import Namespace
 from mtcfs.core.store import MetaStore
 from mtcfs.peer import fanout, grouped, placement, swim, wire
@@ -509,7 +510,8 @@ def add_host(net: Net, node: str, *, store: Store | None = None) -> SimHost:
 
 def entry(guid: str, parent: str, name: str, lamport: int, writer: str,
           is_dir: bool = False, size: int = 0) -> pb.Entry:
-    """An index entry as ReplicatedIndex.entry_of makes one (a sealed file or a dir)."""
+    """An index entry as ReplicatedIndex.entry_of makes one (a sealed file or a dir):
+    a file carries a crc32c per 4 MiB block of its size, as a sealed one does."""
     mode = (0o40755 if is_dir else 0o100644)
     e = pb.Entry(id=guid, parent=parent, name=name.encode(), mode=mode, size=size,
                  lamport=lamport, writer=writer, author=writer, mtime_ns=lamport,
@@ -517,4 +519,7 @@ def entry(guid: str, parent: str, name: str, lamport: int, writer: str,
     if not is_dir:
         e.version, e.has_crc, e.crc32c = 1, True, 0x1234ABCD
         e.holders.append(writer)
+        blocks = -(-size // BLOCK)
+        if blocks:
+            e.block_crcs = (guid.encode() * (4 * blocks // max(1, len(guid)) + 1))[:4 * blocks]
     return e
