@@ -227,6 +227,8 @@ class Metrics(Collector):
                          d["pending_bytes"])
             yield _gauge("mtcfs_upload_conflicts", "Files not persisted (changed elsewhere)",
                          d["conflicts"])
+            yield _gauge("mtcfs_upload_lost_files",
+                         "Files to upload that no host has a copy of", d["lost_files"])
         if rt is not None:
             errors.add_metric(["fetch"], rt["errors"])
             errors.add_metric(["integrity"], rt["integrity_errors"]

@@ -297,7 +297,7 @@ def test_a_snapshot_made_in_pieces_while_the_index_changes_is_still_whole(tmp_pa
 
 def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
         tmp_path, monkeypatch) -> None:
-    from mtcfs.peer import index as index_mod
+    from mtcfs.peer import snapshots as snapshots_mod
 
     clock = [1000.0]
     src = simnet.IndexStore("h0", str(tmp_path / "src"), now=lambda: clock[0])
@@ -332,10 +332,10 @@ def test_a_delta_snapshot_holds_what_changed_since_and_nothing_older(
     src.index.apply([simnet.entry("g9", "d2", "shard-9", 9, "h1", size=9)])
     assert [e.id for piece in src.index.delta_pieces(4, 10) for e in piece] == ["g9"]
     # Forgetting the oldest moves the floor up.
-    monkeypatch.setattr(index_mod, "RECENT_MAX", 1)
+    monkeypatch.setattr(snapshots_mod, "RECENT_MAX", 1)
     clock[0] += 1
     src.index.apply([simnet.entry("g2", "d2", "shard-1", 7, "h1", size=1)])
-    assert list(src.index.recent) == ["g2"]  # g9, changed at 1115, forgotten
+    assert list(src.index.recent.times) == ["g2"]  # g9, changed at 1115, forgotten
     assert src.index.delta_pieces(0.5, 10) is not None
     assert src.index.delta_pieces(2, 10) is None
     src.close()

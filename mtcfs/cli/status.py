@@ -83,6 +83,9 @@ def status(mountpoint: str, as_json: bool) -> None:
         if d["conflicts"]:
             row("conflicts", f"{plural(d['conflicts'], 'file')} not persisted "
                              f"(changed elsewhere)")
+        if d["lost_files"]:
+            row("lost", f"{plural(d['lost_files'], 'file')} to upload with no copy on any "
+                        f"host (uploaded if one comes back)")
         err = d["last_error"] or rt["last_error"]
         if err:
             row("last error", err)

@@ -34,15 +34,12 @@ from mtcfs.core.copies import Copies
 from mtcfs.core.namespace import CLOSED, ROOT, ROOT_GUID, Inode, Namespace
 from mtcfs.core.versions import Versions
 from mtcfs.peer.outbox import NOWHERE, Outbox
-from mtcfs.peer.snapshots import Snapshots
+from mtcfs.peer.snapshots import RecentChanges, Snapshots
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 100_000
-# Ids whose last change time is kept for delta snapshots. One per entry or tombstone,
-# so the index's own size bounds it; past this the oldest are forgotten.
-RECENT_MAX = 1_000_000
 
 
 @dataclass
@@ -156,14 +153,7 @@ class ReplicatedIndex:
         self.clock = max([n.lamport for n in ns.inodes.values()]
                          + [lam for lam, _, _ in self.tombstones.values()] + [0])
         self.stats = Stats()
-        # id -> now() of its last change here (made here or applied), oldest
-        # first: what changed in the last s seconds, for a host that was away that long.
-        # Changes before recent_floor are not in it (this process started then, or the
-        # oldest ones were forgotten).
-        self.recent: dict[str, float] = {}
-        # An index that starts empty has every change it will have in recent.
-        known = len(ns.inodes) > 1 or self.tombstones
-        self.recent_floor = self.now() if known else float("-inf")
+        self.recent = RecentChanges(self.now, len(ns.inodes) <= 1 and not self.tombstones)
         # Where this host's changes go (the broadcaster takes them from there).
         self.outbox = outbox
         self.touched: list[Inode] = []  # nodes the last apply() created or changed
@@ -186,7 +176,7 @@ class ReplicatedIndex:
                     continue
                 node.lamport, node.writer = self.tick(), self.node_id
                 self.ns.persist(node)
-                self._note(node.guid)
+                self.recent.note(node.guid)
                 out.append(self.entry_of(node))
         if out:
             self.outbox.put(out)
@@ -197,14 +187,14 @@ class ReplicatedIndex:
             return
         lam = self.tick()
         self._tombstone(node.guid, lam, self.node_id)
-        self._note(node.guid)
+        self.recent.note(node.guid)
         self.outbox.put([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
 
     def holders_changed(self, node: Inode, dropped: str = "") -> None:
         """Copies of this version came (or, `dropped`, one was evicted). Holders merge
         as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
-            self._note(node.guid)
+            self.recent.note(node.guid)
             e = self.entry_of(node)
             if dropped:
                 e.dropped.append(dropped)
@@ -220,10 +210,10 @@ class ReplicatedIndex:
         d = self.ns.inodes.get(node.parent)
         while d is not None and d.ino != ROOT:
             if self.visible(d):
-                self._note(d.guid)
+                self.recent.note(d.guid)
                 out.append(self.entry_of(d))
             d = self.ns.inodes.get(d.parent)
-        self._note(node.guid)
+        self.recent.note(node.guid)
         e = self.entry_of(node)
         if dropped:
             e.dropped.append(dropped)
@@ -290,14 +280,6 @@ class ReplicatedIndex:
         index cannot tell (mtcfs.peer.snapshots)."""
         return Snapshots(self).delta(since_s, size)
 
-    def _note(self, gid: str) -> None:
-        """`gid` changed here now (made here or applied): it goes to the end of recent."""
-        recent = self.recent
-        recent.pop(gid, None)
-        recent[gid] = self.now()
-        while len(recent) > RECENT_MAX:
-            self.recent_floor = recent.pop(next(iter(recent)))
-
     # -- remote changes --------------------------------------------------------------
 
     def apply(self, entries: list[pb.Entry]) -> int:
@@ -306,7 +288,7 @@ class ReplicatedIndex:
         self.touched = []
         self.disowned = []
         # Coalesced: each inode and name written once per batch, in a few statements.
-        apply_entry, note, aliases = self._apply_entry, self._note, self.ids.aliases
+        apply_entry, note, aliases = self._apply_entry, self.recent.note, self.ids.aliases
         with self.ns.store.transaction(coalesce=True):
             for e in entries:
                 if e.lamport > self.clock:
@@ -326,11 +308,10 @@ class ReplicatedIndex:
         return self.ids.resolve(gid)
 
     def _apply_one(self, e: pb.Entry) -> bool:
-        if not self._apply_entry(e):
-            return False
-        gid = e.id
-        self._note(self.ids.aliases.get(gid, gid))
-        return True
+        if self._apply_entry(e):
+            self.recent.note(self.resolve(e.id))
+            return True
+        return False
 
     # (The path below runs once per entry of every batch and snapshot, hundreds of
     # thousands of times when a host joins a large job: lookups are inlined.)
@@ -338,7 +319,7 @@ class ReplicatedIndex:
         aliases = self.ids.aliases
         eid = e.id
         gid = aliases.get(eid, eid)
-        if gid != eid and not self._linked(gid):
+        if gid != eid and ((merged := self.ns.by_global_id(gid)) is None or not merged.linked):
             # The directory it merged with is gone: the id stands for itself again (else
             # each change of it made one more node with that id).
             self.ids.unalias(eid)
@@ -366,10 +347,6 @@ class ReplicatedIndex:
         else:
             done = self._create(parent, e)
         return done
-
-    def _linked(self, gid: str) -> bool:
-        node = self.ns.by_global_id(gid)
-        return node is not None and node.linked
 
     def _apply_removal(self, gid: str, e: pb.Entry) -> bool:
         self._tombstone(gid, e.lamport, e.writer)

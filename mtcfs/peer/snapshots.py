@@ -12,6 +12,32 @@ from mtcfs.core.namespace import ROOT, Inode, Namespace
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 TOMBSTONE_TTL = 24 * 3600.0  # a host away longer than this may bring back removed entries
+# Ids whose last change time is kept for delta snapshots. One per entry or tombstone,
+# so the index's own size bounds it; past this the oldest are forgotten.
+RECENT_MAX = 1_000_000
+
+
+class RecentChanges:
+    """Global ids by the time (now()) of their last change here, made here or applied,
+    oldest first: what changed in the last s seconds, for a host that was away that
+    long. Changes before `floor` are not in it (this process started then, or the
+    oldest were forgotten); an index that starts empty has every change in it."""
+
+    def __init__(self, now: Callable[[], float], starts_empty: bool) -> None:
+        self.now = now
+        self.times: dict[str, float] = {}
+        self.floor = float("-inf") if starts_empty else now()
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    def note(self, gid: str) -> None:
+        """`gid` changed here now: it goes to the end."""
+        times = self.times
+        times.pop(gid, None)
+        times[gid] = self.now()
+        while len(times) > RECENT_MAX:
+            self.floor = times.pop(next(iter(times)))
 
 
 class Index(Protocol):
@@ -19,8 +45,7 @@ class Index(Protocol):
 
     ns: Namespace
     tombstones: dict[str, tuple[int, str, float]]  # id -> (lamport, writer, when)
-    recent: dict[str, float]  # id -> when it last changed here, oldest first
-    recent_floor: float  # changes before this are not in recent
+    recent: RecentChanges
     now: Callable[[], float]
 
     def visible(self, node: Inode) -> bool: ...
@@ -88,11 +113,12 @@ class Snapshots:
         process started, or forgot the oldest changes, after that."""
         index = self.index
         cutoff = index.now() - since_s
-        if cutoff < index.recent_floor:
+        if cutoff < index.recent.floor:
             return None
         ids: list[str] = []
-        for g in reversed(index.recent):
-            if index.recent[g] < cutoff:
+        times = index.recent.times
+        for g in reversed(times):
+            if times[g] < cutoff:
                 break
             ids.append(g)
         ids.reverse()

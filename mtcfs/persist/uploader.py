@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -48,6 +47,7 @@ from mtcfs.persist.attempts import Backoff, Stats
 from mtcfs.persist.deletes import Deletes
 from mtcfs.persist.markers import Links, Markers, temporary_below
 from mtcfs.persist.policy import Mode, PersistPolicy
+from mtcfs.persist.requests import Requested
 from mtcfs.persist.server_copies import CopyJob, ServerCopies, writes
 from mtcfs.tiers.durable import (
     DurableError,
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REQUESTED_KEY = "persist_requested"  # metadata store: inos `mtcfs persist` asked for
 # A host that sees another host rename persisted data leaves the copies to it this long
 # before it uploads its own files under the new name itself.
 COPY_GRACE = 60.0
@@ -125,11 +124,12 @@ class Uploader(Listener):
         self.concurrency = concurrency
         self.queue: dict[int, Inode] = {}  # insertion-ordered: FIFO
         self.inflight: dict[int, Inode] = {}
-        self.failed: dict[int, str] = {}  # conflicts that need a person
+        self.failed: dict[int, str] = {}  # conflicts that need a person, and lost files
+        # No host could supply these (a fetch failed): out of the queue until a copy may
+        # be back (fetched here, the file's entry changed, a host back): see _found.
+        self.lost: dict[int, Inode] = {}
         self._uploading: dict[int, str] = {}  # ino -> key, uploads running now
-        # Files `mtcfs persist` asked for and not yet persisted: kept in the
-        # metadata store, so a request survives a daemon crash or restart.
-        self.requested: set[int] = set(json.loads(ns.store.get_meta(REQUESTED_KEY) or "[]"))
+        self.requested = Requested(ns.store)  # by `mtcfs persist`
         self.stats = stats or Stats()
         self.backoff = Backoff(self.stats)
         self._lot = trio.lowlevel.ParkingLot()
@@ -150,14 +150,13 @@ class Uploader(Listener):
         """Objects this host is deleting (a listing does not merge them back)."""
         return self.deletes.pending
 
-    def persists(self, node: Inode) -> bool:
-        """The file is ever uploaded (not under a temporary name)."""
+    def persists(self, node: Inode) -> bool:  # ever uploaded: not under a temporary name
         return not self.rules.is_temporary(self.ns, node)
 
     # -- notifications from the filesystem (never block) -------------------------
 
     def sealed(self, node: Inode) -> None:
-        self.failed.pop(node.ino, None)
+        self._found(node)
         if node.ino in self.requested:
             self._enqueue(node)  # asked for by `mtcfs persist`: also after a rewrite/rename
         if self.policy.mode is Mode.ON_CLOSE:
@@ -265,7 +264,8 @@ class Uploader(Listener):
             return
         self.queue.pop(node.ino, None)
         self.failed.pop(node.ino, None)
-        self._unrequest(node.ino)
+        self.lost.pop(node.ino, None)
+        self.requested.discard(node.ino)
         with self.ns.store.transaction():
             if node.generation:
                 self.deletes.later(path, node.generation)
@@ -292,23 +292,11 @@ class Uploader(Listener):
         """`mtcfs persist`: persist these files now, whatever the policy."""
         files = sorted((n for n in nodes if n.is_file and n.state == CLOSED),
                        key=lambda f: self.rules.is_marker_name(f.name))
-        wanted = {f.ino for f in files if not f.persisted}
-        if wanted - self.requested:
-            self.requested |= wanted
-            self._save_requested()
+        self.requested.add(f.ino for f in files if not f.persisted)
         for f in files:
-            self.failed.pop(f.ino, None)
+            self._found(f)
             self._enqueue(f)
         return len(files), sum(f.size for f in files)
-
-    def _unrequest(self, ino: int) -> None:
-        if ino in self.requested:
-            self.requested.discard(ino)
-            self._save_requested()
-
-    def _save_requested(self) -> None:
-        with self.ns.store.transaction():
-            self.ns.store.set_meta(REQUESTED_KEY, json.dumps(sorted(self.requested)))
 
     def owns(self, node: Inode) -> bool:
         """This host uploads the files it sealed (all of them without peers), whoever
@@ -316,9 +304,16 @@ class Uploader(Listener):
         return writes(self.node_id, node)
 
     def peers_changed(self) -> None:
-        """A host came back (or went): a marker held for it may go now."""
+        """A host came back (or went): a marker held for it may go, a lost copy be back."""
+        for node in list(self.lost.values()):
+            self._found(node)
         if self.markers.waiting_for_hosts:
             self._lot.unpark_all()
+
+    def _found(self, node: Inode) -> None:
+        self.failed.pop(node.ino, None)
+        if self.lost.pop(node.ino, None) is not None:
+            self._enqueue(node)
 
     def remote_changed(self, nodes: list[Inode]) -> None:
         """Changes from other hosts: a step they committed (a marker, a directory
@@ -327,6 +322,8 @@ class Uploader(Listener):
         for n in nodes:
             if n.is_file and (n.links or n.ino in self.links.objects):
                 self.sync_links(n)
+            if n.ino in self.lost:
+                self._found(n)  # its holders changed
         if self.policy.mode is Mode.STEP:
             for n in nodes:
                 if not n.linked:
@@ -365,13 +362,14 @@ class Uploader(Listener):
             self.events.copy_wanted(node)
 
     def fetched(self, node: Inode) -> None:
+        self._found(node)
         if node.ino in self.queue:
             self._lot.unpark_all()
 
     def fetch_failed(self, node: Inode, why: str) -> None:
         if (node.ino in self.requested or self.owns(node)) and node.ino in self.queue:
-            # Shown by `mtcfs persist` as failed; asked again, it is tried again.
-            self.failed[node.ino] = f"no copy could be fetched: {why}"
+            self.failed[node.ino] = f"no copy could be fetched: {why}"  # (mtcfs persist)
+            self.lost[node.ino] = self.queue.pop(node.ino)
             log.error("cannot persist %s: no copy could be fetched: %s",
                       self.ns.path_of(node) if node.linked else node.guid, why)
 
@@ -395,7 +393,8 @@ class Uploader(Listener):
             "uploaded_bytes": self.stats.bytes_uploaded,
             "deleted_objects": self.stats.deletes,
             "errors": self.stats.errors,
-            "conflicts": len(self.failed),
+            "conflicts": len(self.failed) - len(self.lost),
+            "lost_files": len(self.lost),
             "last_error": self.stats.last_error or None,
             "last_error_age": (round(time.time() - self.stats.last_error_time, 1)
                                if self.stats.last_error else None),
@@ -429,10 +428,10 @@ class Uploader(Listener):
 
     def _requeue_unpersisted(self) -> None:
         """After a restart: redo what the policy wanted persisted but was not."""
-        for ino in sorted(self.requested):
+        for ino in self.requested:
             node = self.ns.get(ino)
             if node is None or not node.is_file or not node.linked:
-                self._unrequest(ino)
+                self.requested.discard(ino)
             elif node.state == CLOSED:
                 self._enqueue(node)
         if self.policy.mode is Mode.ON_CLOSE:
@@ -583,7 +582,7 @@ class Uploader(Listener):
                  time.monotonic() - t0)
         if still_here:
             if node.version == version:
-                self._unrequest(node.ino)
+                self.requested.discard(node.ino)
             self.copies.persisted(node, info.generation, version)  # recorded and announced
             self.sync_links(node)
         else:

@@ -182,7 +182,7 @@ async def test_a_delta_snapshot_holds_only_what_changed_lately(make_host) -> Non
     a = await one_host(make_host)
     index = a.mount.peers.index
     await a.write_file("old", b"1")
-    index.recent[a.node("old").guid] -= 120  # changed two minutes ago
+    index.recent.times[a.node("old").guid] -= 120  # changed two minutes ago
     await a.write_file("new", b"2")
     deltas = a.mount.peers.stats.delta_snapshots_served
     pieces = list(a.mount.peers.service.snapshot_for("z", "", 100, since=60))

@@ -314,3 +314,34 @@ async def test_a_link_copy_outrun_by_an_unlink_of_the_first_name_keeps_its_objec
     await trio.sleep(0.2)
     assert (bucket / "b").read_bytes() == b"linked"
     assert node.generation == tier.stat("b").generation
+
+
+async def test_a_file_no_host_can_supply_leaves_the_queue_until_a_copy_is_back(
+        make_host, tmp_path: Path) -> None:
+    """A file this host is to upload whose data is gone here and nowhere else (a
+    replacement's predecessor lost it: chaos seed 53) is lost, not queued: the
+    queue drains (a settle, `umount --wait`), `mtcfs persist` reports it failed;
+    when a copy may be back (a host came back) it is queued again and uploaded."""
+    h, bucket = await bucket_host(make_host, tmp_path, persist="manual")
+    h.mkdir("step_1")
+    node = await h.write_file("step_1/shard", b"weights")
+    up = h.mount.uploader
+    ram = h.mount.ram
+    aside = tmp_path / "aside"
+    Path(ram.path(node.ino)).rename(aside)  # its only copy, gone
+    node.has_data = False
+    assert up.request([node]) == (1, len(b"weights"))
+    await until(lambda: up.status()["lost_files"] == 1, what="the file known lost")
+    st = up.status()
+    assert st["queued_files"] == 0 and st["inflight_files"] == 0 and st["conflicts"] == 0
+    assert up.idle()
+    assert up.failed[node.ino].startswith("no copy could be fetched")
+    assert not (bucket / "step_1" / "shard").exists()
+
+    aside.rename(ram.path(node.ino))  # a copy is back here
+    node.has_data = True
+    up.peers_changed()
+    await until(lambda: node.persisted, what="the file persisted once back")
+    assert (bucket / "step_1" / "shard").read_bytes() == b"weights"
+    st = up.status()
+    assert st["lost_files"] == 0 and node.ino not in up.failed and up.idle()
