@@ -7,12 +7,21 @@ the start and end of the window: the figure is CPU time, not wall-clock work,
 so it holds on a machine other work loads (the daemons get the CPU they ask
 for, later). Goal: <= 0.3 % of a core per daemon.
 
+Then, with --save-every S (standalone) or in the group at the largest N, a save
+on every host every S seconds over a window of the same length: each host's
+trainer makes the step's directory (every host makes the same one, as torch
+DCP ranks do) and writes SAVE_FILES files of SAVE_BYTES into it through the
+mount; each daemon seals them, publishes them to the job's index and pushes a
+replica to a peer (--replicas 1). The daemons' CPU over that window is the
+cost of saving small files (goal: <= 2 % of a core beyond the bytes moved,
+which at these sizes cost under 0.01 % here); the trainers' own CPU is not in it.
+
 With --kill K (standalone) or in the group at the largest N: K daemons are
 killed at once (SIGKILL), and the time until every survivor's status shows
 all of them dead is the detection time (SWIM's bound: 10 s); the survivors'
 CPU over that time is the catch-up cost.
 
-    .venv/bin/python bench/idle.py --hosts 4,16 [--seconds 60] [--kill 5]
+    .venv/bin/python bench/idle.py --hosts 4,16 [--seconds 60] [--save-every 10] [--kill 5]
     .venv/bin/python bench/run.py --only idle [--hosts 4,16]
 """
 
@@ -42,6 +51,8 @@ from peers import free_ports
 from mtcfs import control
 
 GOAL = 0.3  # % of a core per idle daemon
+SAVE_GOAL = 2.0  # % of a core per daemon while its trainer saves small files
+SAVE_FILES, SAVE_BYTES = 8, 64 << 10  # a step's files per host, and each one's size
 DETECT_GOAL = 10.0  # s until every survivor has every killed host dead
 SETTLE = 5.0  # s after every mount is live before the window opens
 RAM_SIZE = "64MiB"
@@ -99,6 +110,32 @@ def cpu_pct(mounts: list[Mount], seconds: float) -> list[float]:
     return [100 * (cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]
 
 
+def save_steps(mounts: list[Mount], seconds: float, every: float) -> tuple[list[float], int]:
+    """A step saved on every host at once every `every` seconds for `seconds`;
+    each daemon's CPU over that time (% of a core) and the steps saved."""
+    pids = [m.pid for m in mounts]
+    before = [cpu_seconds(p) for p in pids]
+    payload = os.urandom(SAVE_BYTES)
+
+    def save(m: Mount, step: int) -> None:
+        d = m.path / f"step_{step}"
+        d.mkdir(exist_ok=True)
+        host = m.args[m.args.index("--node-id") + 1]
+        for k in range(SAVE_FILES):
+            (d / f"{host}-{k}.distcp").write_bytes(payload)
+
+    t0 = time.monotonic()
+    steps = 0
+    with ThreadPoolExecutor(min(len(mounts), 16)) as pool:
+        while steps * every < seconds:
+            time.sleep(max(0.0, t0 + steps * every - time.monotonic()))
+            list(pool.map(save, mounts, [steps] * len(mounts)))
+            steps += 1
+    time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+    wall = time.monotonic() - t0
+    return [100 * (cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)], steps
+
+
 def kill_and_detect(mounts: list[Mount], k: int) -> tuple[float, list[float]]:
     """SIGKILL k daemons at once; seconds until every survivor shows them all dead,
     and the survivors' CPU (% of a core) over that time."""
@@ -123,7 +160,8 @@ def rss_mib(mounts: list[Mount]) -> float:
     return median([proc_field(m.pid, "status", "VmRSS") / (1 << 20) for m in mounts])
 
 
-def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0) -> dict:
+def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0,
+            save_every: float = 0.0) -> dict:
     mounts = start_cluster(scratch, n, f"n{n}")
     try:
         time.sleep(SETTLE)
@@ -131,6 +169,12 @@ def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0) -> dict:
         out: dict = {"hosts": n, "seconds": seconds, "cpu_pct": pct,
                      "cpu_pct_median": median(pct), "cpu_pct_max": max(pct),
                      "rss_mib_median": rss_mib(mounts)}
+        if save_every:
+            saving, steps = save_steps(mounts, seconds, save_every)
+            out.update(save_every_s=save_every, saves=steps, save_cpu_pct=saving,
+                       save_cpu_pct_median=median(saving), save_cpu_pct_max=max(saving),
+                       # CPU per daemon per save, beyond its idle CPU
+                       save_cpu_ms=10 * seconds * (median(saving) - median(pct)) / steps)
         if kill and n > kill:
             took, cpu = kill_and_detect(mounts, kill)
             out.update(killed=kill, detect_s=took, catchup_cpu_pct_median=median(cpu))
@@ -146,12 +190,20 @@ def group(ctx: Context) -> list[Row]:
     hosts = ctx.hosts if ctx.hosts != [100, 300, 1000] else [4, 16]
     rows: list[Row] = []
     for n in hosts:
-        r = measure(ctx.scratch, n, 60.0, kill=5 if n == max(hosts) and n > 5 else 0)
+        largest = n == max(hosts)
+        r = measure(ctx.scratch, n, 60.0, kill=5 if largest and n > 5 else 0,
+                    save_every=10.0 if largest else 0.0)
         ctx.last_line.append(r)
         rows.append(Row("idle", f"{n} daemons: CPU per idle daemon", "% core",
                         r["cpu_pct"], higher_is_better=False, max_value=GOAL,
                         note=f"60 s, utime+stime; max {r['cpu_pct_max']:.2f} %, "
                              f"RSS {r['rss_mib_median']:.0f} MiB"))
+        if "saves" in r:
+            rows.append(Row("idle", f"{n} daemons: CPU per daemon, a save every 10 s", "% core",
+                            r["save_cpu_pct"], higher_is_better=False, max_value=SAVE_GOAL,
+                            note=f"{SAVE_FILES} files of {SAVE_BYTES >> 10} KiB per host "
+                                 f"per save, {r['saves']} saves; {r['save_cpu_ms']:.0f} "
+                                 f"CPU-ms per daemon per save beyond idle"))
         if "detect_s" in r:
             rows.append(Row("idle", f"{n} daemons: 5 killed at once, all dead everywhere",
                             "s", [r["detect_s"]], higher_is_better=False,
@@ -164,15 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/idle.py", description=__doc__.split("\n")[0])
     p.add_argument("--hosts", default="4,16", help="daemons per run, e.g. 4,16,64 [4,16]")
     p.add_argument("--seconds", type=float, default=60.0, help="idle window [60]")
+    p.add_argument("--save-every", type=float, default=0.0,
+                   help="then a save on every host every this many seconds [0: none]")
     p.add_argument("--kill", type=int, default=0, help="then kill this many at once [0]")
     args = p.parse_args(argv)
     scratch = Scratch()
     try:
         for n in (int(h) for h in args.hosts.split(",")):
-            r = measure(scratch, n, args.seconds, args.kill)
+            r = measure(scratch, n, args.seconds, args.kill, args.save_every)
             line = (f"{n} daemons: {r['cpu_pct_median']:.3f} % of a core per idle daemon "
                     f"(max {r['cpu_pct_max']:.3f}; goal <= {GOAL} %), "
                     f"RSS {r['rss_mib_median']:.0f} MiB")
+            if "saves" in r:
+                line += (f"; saving every {r['save_every_s']:g} s: "
+                         f"{r['save_cpu_pct_median']:.3f} % (max {r['save_cpu_pct_max']:.3f}; "
+                         f"goal <= {SAVE_GOAL} %), {r['save_cpu_ms']:.0f} CPU-ms per save")
             if "detect_s" in r:
                 line += (f"; {r['killed']} killed: all dead everywhere in {r['detect_s']:.2f} s "
                          f"(survivors {r['catchup_cpu_pct_median']:.2f} % meanwhile)")
