@@ -183,7 +183,7 @@ class Namespace:
             self.inodes[r.ino] = ino
         self.inodes[ROOT].parent = ROOT
         reached = {ROOT}
-        for r in sorted(rows.values(), key=lambda r: r.ino):  # (a clash: the older keeps it)
+        for r in rows.values():  # by inode number (a clash: the older keeps the name)
             p, c = self.inodes.get(r.parent), self.inodes[r.ino]
             if r.ino == ROOT or p is None or p.children is None or r.name in p.children:
                 continue  # no name of its own (unlinked while open): an orphan, below
@@ -291,17 +291,15 @@ class Namespace:
     def _add_name(self, parent: Inode, name: bytes, node: Inode, now: int) -> None:
         """A new node's row (its own name in it: Namespace._attach for a node that has
         none yet)."""
-        store = self.store
-        store.put_node(node.ino, node.params)
+        self._put(node)
         assert parent.children is not None
         parent.children[name] = node.ino
         if node.children is not None:
             parent.subdirs += 1
-        parent.mtime_ns = parent.ctime_ns = now  # (_touch_dir)
-        store.put_node(parent.ino, parent.params)
+        self._touch_dir(parent, now)
 
     def persist(self, node: Inode) -> None:
-        self.store.put_node(node.ino, node.params)
+        self._put(node)
 
     def _put(self, node: Inode) -> None:
         """Write the node's row (in a coalescing transaction: its state at the end)."""

@@ -238,7 +238,9 @@ class MetaStore:
     # -- reads (startup only) ------------------------------------------------
 
     def load_inodes(self) -> Iterator[InodeRow]:
-        for row in self.db.execute(f"SELECT {_INODE_COLS} FROM inodes"):
+        """Every inode's row, by inode number (Namespace._load: the older of two rows
+        naming one entry keeps it)."""
+        for row in self.db.execute(f"SELECT {_INODE_COLS} FROM inodes ORDER BY ino"):
             r = InodeRow(*row)
             r.has_data = bool(r.has_data)
             yield r

@@ -288,14 +288,11 @@ class ReplicatedIndex:
         self.touched = []
         self.disowned = []
         # Coalesced: each inode and name written once per batch, in a few statements.
-        apply_entry, note, aliases = self._apply_entry, self.recent.note, self.ids.aliases
         with self.ns.store.transaction(coalesce=True):
             for e in entries:
                 if e.lamport > self.clock:
                     self.clock = e.lamport
-                if apply_entry(e):  # (_apply_one, inlined)
-                    gid = e.id
-                    note(aliases.get(gid, gid))
+                if self._apply_one(e):
                     applied += 1
         self.stats.applied += applied
         self.stats.pending = sum(len(v) for v in self.pending.values())
@@ -414,9 +411,7 @@ class ReplicatedIndex:
         node = self.ns.new_inode(parent, name, mode, e.uid, e.gid,
                                  target=e.target if stat.S_ISLNK(mode) else None,
                                  rdev=e.rdev, global_id=e.id)
-        # (_set_attrs, less what new_inode set)
-        node.mtime_ns, node.ctime_ns = e.mtime_ns, e.ctime_ns
-        node.lamport, node.writer = e.lamport, e.writer
+        self._set_attrs(node, e)
         if stat.S_ISREG(mode):
             node.has_data = False  # new here: no data of it to forget
             self._set_content(node, e)
