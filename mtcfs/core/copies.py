@@ -51,6 +51,7 @@ class Copies:
         self.durable = durable  # a durable tier is configured: own data waits to be persisted
         # Records changes (without a namespace the caller keeps records, as tests do).
         self._record: Callable[[Inode], None] = _recorder(ns)
+        self._ns = ns
         self._events = events or Listener()
 
     # -- counting ----------------------------------------------------------------------------
@@ -174,6 +175,12 @@ class Copies:
         """A version whose data is not here (another host's, or the bucket's)."""
         node.has_data = False
         node.cached = False
+
+    def replicas_from(self, writer: str) -> list[Inode]:
+        """The verified replicas of `writer`'s files held here (a scan: for its death)."""
+        nodes = self._ns.inodes.values() if self._ns is not None else ()
+        return [n for n in nodes if n.author == writer and self.node_id in n.holders
+                and self.resident(n) and self.kind(n) == REPLICA]
 
     # -- peers' copies ----------------------------------------------------------------------
 

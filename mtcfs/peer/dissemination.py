@@ -20,11 +20,11 @@ away: routers resend what they routed without it if it is back within
 fanout.REPAIR_WINDOW, and otherwise it catches up by snapshot (the peer
 tier's catch-up when a host comes back).
 
-Changes are coalesced into batches (up to MAX_BATCH entries) as the old
-per-peer streams did: a batch leaves at once when none of this host's is on
-its way, else when the one on its way completes, when MAX_BATCH entries wait,
-when a commit waits, or after LINGER. A thousand changes made one by one cost
-a few batches, not a thousand trees. Runs in the daemon's trio thread; the
+Changes are coalesced into batches (up to MAX_BATCH entries): a batch leaves
+when its first change is due (mtcfs.peer.outbox: 50 ms for a change, 1 s
+for an announcement of a copy), when MAX_BATCH entries wait, or when a commit
+waits. A thousand changes made one by one cost a few batches, not a thousand
+trees, and a step's files a batch or two. Runs in the daemon's trio thread; the
 sending is a gRPC call per message, not waited for (TreeCalls; a forward's
 reply may carry its range's ack: Reply).
 """
@@ -55,7 +55,6 @@ BROADCAST_TIMEOUT = 5.0  # seconds a tree message's call may take
 DEGREE = fanout.FANOUT  # hosts a host forwards a batch to (read when a tier is made)
 TICK = 0.05  # seconds between retries' checks
 KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its batch
-LINGER = 0.02  # seconds a change waits at most for the batch before it to complete
 # A message whose call failed is sent again after RESEND (at most RESENDS times); one
 # whose call succeeded was handed to the receiver (gRPC runs over TCP), so the tree's
 # own timer only guards against what is lost after that (a receiver that died).
@@ -237,7 +236,7 @@ class Broadcaster:
         return not await self.wait_applied(what)
 
     def _flush(self) -> None:
-        while self.outbox.entries:
+        while self.outbox.count():
             self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock,
                                          entries=self.outbox.take(MAX_BATCH)))
         self._notify()  # a batch to no one (no other host) is complete at once
@@ -259,7 +258,14 @@ class Broadcaster:
 
     def quiet(self) -> bool:
         """Nothing of this host's on its way."""
-        return not self.outbox.entries and self.caught_up()
+        return not self.outbox.count() and self.caught_up()
+
+    async def changes_out(self, timeout: float) -> None:
+        """Until this host's changes (not its announcements of copies) have reached
+        every live host, or `timeout` seconds."""
+        with trio.move_on_after(timeout):
+            while self.outbox.changes or not self.caught_up():
+                await self._progress.wait()
 
     def caught_up(self) -> bool:
         """Every batch this host published has reached every live host."""
@@ -375,11 +381,14 @@ class Broadcaster:
             nursery.start_soon(self._carry)
             while True:
                 await self.outbox.wait()
-                # Let changes gather while a batch of ours is on its way (bounded).
-                with trio.move_on_after(LINGER):
-                    while (self.outbox.entries and self.outbox.count() < MAX_BATCH
-                           and self.tree.own_in_flight()):
-                        await self._progress.wait()
+                # Let the changes made together gather until the first of them is due
+                # (mtcfs.peer.outbox); a commit flushes them at once (wait_applied).
+                while 0 < self.outbox.count() < MAX_BATCH:
+                    wait = self.outbox.due - time.monotonic()
+                    if wait <= 0:
+                        break
+                    with trio.move_on_after(wait):
+                        await self.outbox.wait()
                 self._flush()
 
     async def _carry(self) -> None:

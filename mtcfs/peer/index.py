@@ -190,7 +190,7 @@ class ReplicatedIndex:
         self.recent.note(node.guid)
         self.outbox.put([pb.Entry(id=node.guid, lamport=lam, writer=self.node_id, removed=True)])
 
-    def holders_changed(self, node: Inode, dropped: str = "") -> None:
+    def holders_changed(self, node: Inode, dropped: str = "", at_once: bool = False) -> None:
         """Copies of this version came (or, `dropped`, one was evicted). Holders merge
         as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
@@ -198,7 +198,13 @@ class ReplicatedIndex:
             e = self.entry_of(node)
             if dropped:
                 e.dropped.append(dropped)
-            self.outbox.put([e])
+            (self.outbox.put if at_once else self.outbox.announce)([e])
+
+    def writer_died(self, writer: str) -> None:
+        """Announce at once the replicas of `writer`'s files held here: it may have
+        died before its announcement of them left (mtcfs.peer.outbox)."""
+        for node in self.copies.replicas_from(writer):
+            self.holders_changed(node, at_once=True)
 
     def sources_changed(self, node: Inode, dropped: str = "") -> None:
         """This host began or stopped serving a persisted file it reads through. Its

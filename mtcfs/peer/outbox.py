@@ -1,32 +1,69 @@
 """This host's index changes on their way out: the replicated index puts each
 change here, the broadcaster takes them in batches (mtcfs.peer.dissemination).
-Built before both, so that neither is wired to the other after construction."""
+Built before both, so that neither is wired to the other after construction.
+
+Each change says how long it may wait for others to share its batch: a batch
+costs every host a gRPC call, an apply and an ack whatever it carries, so the
+closes of a save's files leave together (GATHER), and the announcement that a
+replica landed rides with the next batch or after ANNOUNCE. A commit takes
+everything at once (the broadcaster's wait_applied), so no wait here delays
+what the commit rule promises.
+"""
 
 from __future__ import annotations
+
+import math
+import time
 
 import trio
 
 from mtcfs.peer.v1 import peer_pb2 as pb
 
+# Seconds a change waits at most for the changes made with it: a plain close is
+# seen elsewhere within milliseconds, and a step's files share a batch or two.
+GATHER = 0.05
+# ... and an announcement of where copies are (a replica landed): a commit sends
+# it at once, and the holders of a dead writer's replicas announce them again
+# (ReplicatedIndex.writer_died), so a save's pushes share one batch.
+ANNOUNCE = 1.0
+
 
 class Outbox:
     def __init__(self) -> None:
-        self.entries: list[pb.Entry] = []
+        self.changes: list[pb.Entry] = []  # (in the order made: parents first)
+        self.announcements: list[pb.Entry] = []
+        self.due = math.inf  # time.monotonic() by which the waiting entries must leave
         self._ready = trio.Event()
 
     def put(self, entries: list[pb.Entry]) -> None:
-        """Queue entries for every host: they leave in the broadcaster's next batch."""
+        """Queue changes for every host: they leave in a batch within GATHER."""
+        self._queue(self.changes, entries, GATHER)
+
+    def announce(self, entries: list[pb.Entry]) -> None:
+        """Queue announcements of copies: they leave with the next batch, or in one of
+        their own within ANNOUNCE."""
+        self._queue(self.announcements, entries, ANNOUNCE)
+
+    def _queue(self, into: list[pb.Entry], entries: list[pb.Entry], within: float) -> None:
         if entries:
-            self.entries.extend(entries)
+            into.extend(entries)
+            self.due = min(self.due, time.monotonic() + within)
             self._ready.set()
 
     def take(self, most: int) -> list[pb.Entry]:
-        """The oldest `most` entries waiting (removed from the outbox)."""
-        part, self.entries = self.entries[:most], self.entries[most:]
+        """The oldest `most` entries waiting, changes first (removed from the outbox):
+        an announcement is of a sealed file whose directories went before."""
+        part, self.changes = self.changes[:most], self.changes[most:]
+        if len(part) < most:
+            more = most - len(part)
+            part += self.announcements[:more]
+            self.announcements = self.announcements[more:]
+        if not self.changes and not self.announcements:
+            self.due = math.inf
         return part
 
     def count(self) -> int:
-        return len(self.entries)
+        return len(self.changes) + len(self.announcements)
 
     async def wait(self) -> None:
         """Until entries were put since the last wait."""
@@ -37,7 +74,7 @@ class Outbox:
 class Nowhere(Outbox):
     """An index whose changes go nowhere (tools and tests that drive one index)."""
 
-    def put(self, entries: list[pb.Entry]) -> None:
+    def _queue(self, into: list[pb.Entry], entries: list[pb.Entry], within: float) -> None:
         pass
 
 

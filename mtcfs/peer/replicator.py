@@ -259,9 +259,8 @@ class Replicator:
         """Wait (bounded) until this host's changes have reached every host: a receiver
         that does not know a replica's directory yet holds its entry aside until the
         directory arrives."""
-        deadline = time.monotonic() + DRAIN_WAIT
-        while not self.broadcaster.quiet() and p.alive and time.monotonic() < deadline:
-            await trio.sleep(0.005)
+        if p.alive:
+            await self.broadcaster.changes_out(DRAIN_WAIT)
 
     # -- one push -------------------------------------------------------------------------
 

@@ -144,6 +144,8 @@ class PeerTier(Listener):
     def peer_dead(self, peer: Peer) -> None:
         if self._started:
             self.catchups.dead(peer, self.members.incarnation_of(peer.addr))
+        if peer.node_id:
+            self.index.writer_died(peer.node_id)
         self.replicator.requeue()
 
     def peers_changed(self) -> None:

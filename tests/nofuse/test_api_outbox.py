@@ -1,0 +1,92 @@
+"""How this host's index changes leave for the other hosts, in-process
+(mtcfs.peer.outbox, mtcfs.peer.dissemination): each batch costs every host a
+call, an apply and an ack, so a save's closes share a batch or two and the
+announcements that its replicas landed share one; a commit sends everything at
+once; and the holders of a dead writer's replicas announce them again, since it
+may have died before its own announcement left."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+from mtcfs.peer.outbox import ANNOUNCE, GATHER, Outbox
+from mtcfs.peer.v1 import peer_pb2 as pb
+
+from support.inprocess import until
+from support.peercluster import cluster
+
+pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
+
+FILES = 8
+
+
+def holders(h, path: str) -> list[str]:
+    return sorted(h.node(path).holders)
+
+
+async def test_changes_leave_before_announcements_and_each_kind_has_its_due() -> None:
+    box = Outbox()
+    assert box.due == math.inf
+    t0 = time.monotonic()
+    box.announce([pb.Entry(id="held")])
+    assert t0 + ANNOUNCE <= box.due <= time.monotonic() + ANNOUNCE
+    box.put([pb.Entry(id="dir"), pb.Entry(id="file")])
+    assert box.due <= time.monotonic() + GATHER  # the earliest due counts
+    assert [e.id for e in box.take(2)] == ["dir", "file"]
+    assert box.count() == 1 and box.due < math.inf  # the announcement still waits
+    assert [e.id for e in box.take(5)] == ["held"]
+    assert box.count() == 0 and box.due == math.inf
+
+
+async def test_a_saves_files_and_their_replicas_announcements_share_batches(
+        make_host) -> None:
+    """8 files closed (no fsync) and replicated to a peer cost a few batches, not one
+    per close and one per replica (that cost every host a call each: 16 a save)."""
+    a, b, c = await cluster(make_host, 3)
+    a.mkdir("step_1")
+    await until(lambda: a.mount.peers.quiet(), what="the directory everywhere")
+    sent = a.mount.peers.broadcaster.stats.batches_sent
+    data = os.urandom(64 << 10)
+    for k in range(FILES):
+        await a.write_file(f"step_1/f{k}", data)
+    names = [f"step_1/f{k}" for k in range(FILES)]
+    for h in (b, c):  # every host knows each file and where its replica is
+        await until(lambda h=h: all(h.exists(n) and len(holders(h, n)) == 2 for n in names),
+                    what="the files and their replicas' holders everywhere")
+    await until(lambda: a.mount.peers.quiet(), what="nothing left to send")
+    batches = a.mount.peers.broadcaster.stats.batches_sent - sent
+    assert batches <= 4, batches
+
+
+async def test_a_commit_sends_waiting_announcements_at_once(make_host) -> None:
+    a, b = await cluster(make_host, 2)
+    await a.write_file("f", os.urandom(10_000))
+    await until(lambda: holders(a, "f") == ["a", "b"], what="the replica")
+    await a.write_file("g", b"commit", fsync=True)  # the commit rule: everything before it
+    assert holders(b, "f") == ["a", "b"]
+    assert a.mount.peers.index.outbox.count() == 0
+
+
+async def test_the_holder_of_a_dead_writers_replica_announces_it_again(make_host) -> None:
+    """The writer died after its replica landed but before its announcement left:
+    the holder tells the others, so the file is not taken for lost."""
+    a, b, c = await cluster(make_host, 3)
+    a.mount.peers.index.outbox.announce = lambda entries: None  # (dies before they leave)
+    await a.write_file("f", os.urandom(50_000))
+    await until(lambda: len(holders(a, "f")) == 2, what="the replica")
+    (holder,) = [h for h in (b, c) if h.mount.opts.node_id in holders(a, "f")]
+    other = b if holder is c else c
+    await until(lambda: other.exists("f"), what="the file's entry")
+    await until(lambda: a.mount.peers.quiet(), what="the writer's batches everywhere")
+    assert holders(other, "f") == ["a"]
+    a.mount.stop()
+    for h in (holder, other):  # (as membership tells each)
+        p = h.mount.peers.members.by_node("a")
+        p.alive = False
+        h.mount.peers.peer_dead(p)
+    await until(lambda: holder.mount.opts.node_id in holders(other, "f"),
+                what="the holder's announcement")
