@@ -64,12 +64,15 @@ def start_cluster(scratch: Scratch, n: int, tag: str) -> list[Mount]:
     token = scratch.tmp / f"token-{tag}"
     token.write_text(secrets.token_hex(32) + "\n")
     token.chmod(0o600)
-    ports = free_ports(n)
-    addrs = [f"127.0.0.1:{p}" for p in ports]
+    # Data ports chosen here too: one the kernel picked for a daemon started first
+    # could be another's gRPC port.
+    ports = free_ports(2 * n)
+    addrs = [f"127.0.0.1:{p}" for p in ports[:n]]
     mounts = []
     for i, addr in enumerate(addrs):
         peers = ",".join(a for a in addrs if a != addr)
-        args = ["--node-id", f"{tag}-{i}", "--listen", addr, "--data-listen", "127.0.0.1:0",
+        args = ["--node-id", f"{tag}-{i}", "--listen", addr,
+                "--data-listen", f"127.0.0.1:{ports[n + i]}",
                 "--token-file", str(token), "--replicas", "1", "--log-level", "warning"]
         if peers:
             args += ["--peers", peers]

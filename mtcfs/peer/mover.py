@@ -130,6 +130,8 @@ def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
             except grpc.FutureTimeoutError:
                 if time.monotonic() - last[0] > stall:
                     fut.cancel()  # a peer that stopped taking data must not hold us
+            except grpc.FutureCancelledError:
+                return ("DEADLINE_EXCEEDED", f"the peer took no data for {stall:.0f} s", False)
             except grpc.RpcError as e:
                 code = e.code()
                 return (code.name if code else "UNKNOWN", e.details() or "", False)
