@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -54,6 +54,8 @@ MAX_BATCH = 500  # entries per batch: each batch is applied in one go
 BROADCAST_TIMEOUT = 5.0  # seconds a tree message's call may take
 DEGREE = fanout.FANOUT  # hosts a host forwards a batch to (read when a tier is made)
 TICK = 0.05  # seconds between retries' checks
+# Seconds a batch that is due waits at most for one of ours on its way to complete.
+BUSY_HOLD = 1.0
 KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its batch
 # A message whose call failed is sent again after RESEND (at most RESENDS times); one
 # whose call succeeded was handed to the receiver (gRPC runs over TCP), so the tree's
@@ -382,14 +384,30 @@ class Broadcaster:
             while True:
                 await self.outbox.wait()
                 # Let the changes made together gather until the first of them is due
-                # (mtcfs.peer.outbox); a commit flushes them at once (wait_applied).
+                # (mtcfs.peer.outbox), and while a batch of ours is on its way (up to
+                # BUSY_HOLD more): the busier the hosts, the slower a batch completes and
+                # the more the next one carries, instead of a batch per change that
+                # loads them further. A commit flushes at once (wait_applied).
                 while 0 < self.outbox.count() < MAX_BATCH:
-                    wait = self.outbox.due - time.monotonic()
+                    due = self.outbox.due
+                    if not self.caught_up():
+                        due += BUSY_HOLD
+                    wait = due - time.monotonic()
                     if wait <= 0:
                         break
-                    with trio.move_on_after(wait):
-                        await self.outbox.wait()
+                    await self._changed(wait)
                 self._flush()
+
+    async def _changed(self, timeout: float) -> None:
+        """Until entries are put, a batch completes or membership changes, or `timeout`."""
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                async def until(wait: Callable[[], Awaitable[object]]) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(until, self.outbox.wait)
+                nursery.start_soon(until, self._progress.wait)
 
     async def _carry(self) -> None:
         """A leader's gathered batches leave grouped.LINGER after the first came."""
