@@ -592,7 +592,11 @@ def holders_and_reader(c: PeerCluster, rel: str) -> tuple[list[str], str]:
                     what=f"{rel} replicated")
     by_node = {m.node_id: name for name, m in c.hosts.items()}
     holders = [by_node[h] for h in st["holders"]]
-    return holders, next(n for n in c.hosts if n not in holders)
+    reader = next(n for n in c.hosts if n not in holders)
+    # (The replica's announcement may ride with a later batch: up to 1 s.)
+    wait_until(lambda: sorted(c[reader].state(rel)["holders"]) == sorted(st["holders"]), 10,
+               what=f"{reader} knows where {rel}'s copies are")
+    return holders, reader
 
 
 def knows_data_ports(m: MtcfsMount) -> None:

@@ -200,9 +200,10 @@ class ReplicatedIndex:
                 e.dropped.append(dropped)
             (self.outbox.put if at_once else self.outbox.announce)([e])
 
-    def writer_died(self, writer: str) -> None:
-        """Announce at once the replicas of `writer`'s files held here: it may have
-        died before its announcement of them left (mtcfs.peer.outbox)."""
+    def announce_replicas_of(self, writer: str) -> None:
+        """`writer` died or restarted: announce at once the replicas of its files held
+        here, since its own announcement of them may have died with it (they wait:
+        mtcfs.peer.outbox)."""
         for node in self.copies.replicas_from(writer):
             self.holders_changed(node, at_once=True)
 

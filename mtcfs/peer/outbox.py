@@ -24,7 +24,7 @@ from mtcfs.peer.v1 import peer_pb2 as pb
 GATHER = 0.05
 # ... and an announcement of where copies are (a replica landed): a commit sends
 # it at once, and the holders of a dead writer's replicas announce them again
-# (ReplicatedIndex.writer_died), so a save's pushes share one batch.
+# (ReplicatedIndex.announce_replicas_of), so a save's pushes share one batch.
 ANNOUNCE = 1.0
 
 

@@ -136,6 +136,7 @@ class PeerTier(Listener):
 
     def peer_restarted(self, peer: Peer) -> None:
         self.broadcaster.restarted(peer.addr)
+        self.index.announce_replicas_of(peer.node_id)
 
     def peer_ready(self, peer: Peer) -> None:
         if peer.addr in self.catchups.owed:  # back by gossip before it spoke to us
@@ -144,8 +145,7 @@ class PeerTier(Listener):
     def peer_dead(self, peer: Peer) -> None:
         if self._started:
             self.catchups.dead(peer, self.members.incarnation_of(peer.addr))
-        if peer.node_id:
-            self.index.writer_died(peer.node_id)
+        self.index.announce_replicas_of(peer.node_id)
         self.replicator.requeue()
 
     def peers_changed(self) -> None:

@@ -2,8 +2,8 @@
 (mtcfs.peer.outbox, mtcfs.peer.dissemination): each batch costs every host a
 call, an apply and an ack, so a save's closes share a batch or two and the
 announcements that its replicas landed share one; a commit sends everything at
-once; and the holders of a dead writer's replicas announce them again, since it
-may have died before its own announcement left."""
+once; and the holders of the replicas of a writer that died or restarted
+announce them again, since its own announcement may have died with it."""
 
 from __future__ import annotations
 
