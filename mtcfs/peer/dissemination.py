@@ -21,7 +21,7 @@ fanout.REPAIR_WINDOW, and otherwise it catches up by snapshot (the peer
 tier's catch-up when a host comes back).
 
 Changes are coalesced into batches (up to MAX_BATCH entries): a batch leaves
-when its first change is due (mtcfs.peer.outbox: 50 ms for a change, 1 s
+when its first change is due (mtcfs.peer.outbox: 20 ms for a change, 1 s
 for an announcement of a copy), when MAX_BATCH entries wait, or when a commit
 waits. A thousand changes made one by one cost a few batches, not a thousand
 trees, and a step's files a batch or two. Runs in the daemon's trio thread; the

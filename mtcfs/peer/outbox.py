@@ -21,7 +21,7 @@ from mtcfs.peer.v1 import peer_pb2 as pb
 
 # Seconds a change waits at most for the changes made with it: a plain close is
 # seen elsewhere within milliseconds, and a step's files share a batch or two.
-GATHER = 0.05
+GATHER = 0.02
 # ... and an announcement of where copies are (a replica landed): a commit sends
 # it at once, and the holders of a dead writer's replicas announce them again
 # (ReplicatedIndex.announce_replicas_of), so a save's pushes share one batch.
