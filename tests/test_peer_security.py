@@ -109,8 +109,15 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
             ("grpc.max_receive_message_length", 64 * MiB),
         ])
         stub = pb_grpc.PeerStub(channel)
-        held = stub.ListHeld(pb.ListHeldRequest(), timeout=TIMEOUT, metadata=bearer(token))
-        ids = {f.path: f.id for f in held.files}
+        # (A plain close seals in the background: the last file may still be sealing.)
+        deadline = time.monotonic() + 10
+        while True:
+            held = stub.ListHeld(pb.ListHeldRequest(), timeout=TIMEOUT,
+                                 metadata=bearer(token))
+            ids = {f.path: f.id for f in held.files}
+            if set(ids) == set(files) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert set(ids) == set(files), held
         yield Node(m, f"127.0.0.1:{port}", token, channel, stub, files, ids)
     finally:
