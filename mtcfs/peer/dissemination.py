@@ -22,11 +22,12 @@ tier's catch-up when a host comes back).
 
 Changes are coalesced into batches (up to MAX_BATCH entries): a batch leaves
 when its first change is due (mtcfs.peer.outbox: 20 ms for a change, 1 s
-for an announcement of a copy), when MAX_BATCH entries wait, or when a commit
-waits. A thousand changes made one by one cost a few batches, not a thousand
-trees, and a step's files a batch or two. Runs in the daemon's trio thread; the
-sending is a gRPC call per message, not waited for (TreeCalls; a forward's
-reply may carry its range's ack: Reply).
+for an announcement of a copy; while a batch of this host's is on its way, up
+to BUSY_HOLD later), when MAX_BATCH entries wait, or when a commit waits. A
+thousand changes made one by one cost a few batches, not a thousand trees, and
+a step's files a batch or two. Runs in the daemon's trio thread; the sending
+is a gRPC call per message, not waited for (TreeCalls; a forward's reply may
+carry its range's ack: Reply).
 """
 
 from __future__ import annotations
