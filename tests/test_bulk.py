@@ -31,6 +31,7 @@ from mtcfs.peer import bulk
 from mtcfs.peer.bulk import HEADER, BulkPool, BulkServer, Keys
 from mtcfs.peer.server import Refused
 from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.tiers.mapped import MappedFiles, Pin
 from mtcfs.tiers.ram import RamTier
 
 from support.mounts import (
@@ -90,6 +91,9 @@ class Host:
         ino, size = self.held[guid]
         return self.ram.open_read(ino), size
 
+    def pin_to_send(self, guid: str) -> Pin:
+        return self.ram.mapped.pin(self.held[guid][0])
+
 
 def entry_for(data: bytes, guid: str = "f1") -> pb.Entry:
     crcs = [google_crc32c.value(data[i:i + BLOCK]) for i in range(0, len(data), BLOCK)]
@@ -98,11 +102,15 @@ def entry_for(data: bytes, guid: str = "f1") -> pb.Entry:
                     writer="node-w", block_crcs=pack_crcs(crcs))
 
 
-@pytest.fixture
-def channel(tmp_path: Path) -> Iterator[tuple[Host, BulkServer]]:
+@pytest.fixture(params=["copied", "mapped"])
+def channel(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Host, BulkServer]]:
+    """The server over a RAM tier whose files are copied through buffers, or (as on
+    huge pages) sent from and received into mappings of them."""
     ram = RamTier(str(tmp_path / "ram"), 256 * MiB)
+    if request.param == "mapped":
+        ram.mapped = MappedFiles(lambda: True)
     host = Host(ram)
-    server = BulkServer(host, host.run, Keys(TOKEN), ("127.0.0.1", 0))
+    server = BulkServer(host, host.run, Keys(TOKEN), ("127.0.0.1", 0), mapped=ram.mapped)
     server.start()
     yield host, server
     server.stop()
@@ -305,13 +313,15 @@ def test_push_and_fetch(channel, tmp_path):
     host, server = channel
     data = blob(1, 9 * MiB + 1)
     e = entry_for(data)
-    pool = BulkPool(Keys(TOKEN), None, 2)
+    pool = BulkPool(Keys(TOKEN), None, 2, mapped=host.ram.mapped)
     fd = write_tmp(tmp_path, data)
-    assert pool.push(addr(server), fd, e, "d/f", lambda: None) == ("OK", "", True)
+    assert pool.push(addr(server), fd, e, "d/f", lambda: None, host.ram.mapped.enabled
+                     ) == ("OK", "", True)
     ino, size = host.held["f1"]
     assert Path(host.ram.path(ino)).read_bytes() == data
     # Blocks 1..2 of it (the last one short) into a sparse file, each reported once verified.
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(out, size)  # (as the reader does: blocks may land through a mapping)
     got: list[tuple[int, int]] = []
     pool.fetch(addr(server), out, "f1", 1, "d/f", size, e.block_crcs, 1, 3,
                lambda off, n: got.append((off, n)))
@@ -539,13 +549,14 @@ def test_a_rotted_block_at_the_holder_is_not_counted(channel, tmp_path):
     host, server = channel
     data = blob(6, 2 * BLOCK)
     e = entry_for(data)
-    pool = BulkPool(Keys(TOKEN), None, 1)
+    pool = BulkPool(Keys(TOKEN), None, 1, mapped=host.ram.mapped)
     assert pool.push(addr(server), write_tmp(tmp_path, data), e, "d/f", lambda: None)[0] == "OK"
     ino, _ = host.held["f1"]
     with open(host.ram.path(ino), "r+b") as f:  # the holder's copy rots under it
         f.seek(BLOCK + 3)
         f.write(b"\xff")
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(out, len(data))
     got: list[tuple[int, int]] = []
     with pytest.raises(bulk.IntegrityError, match="crc32c"):
         pool.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 2,
@@ -554,6 +565,11 @@ def test_a_rotted_block_at_the_holder_is_not_counted(channel, tmp_path):
 
 
 # -- real daemons --------------------------------------------------------------------------------
+
+# The RAM tiers with huge pages, as on a node where the probe picks them: transfers then
+# go through mappings of the files (mtcfs.tiers.mapped) on both sides. The other suites'
+# daemons take the probe's choice, which on a VM that hands memory back is often none.
+MAPPED = ("--huge-pages", "always")
 
 
 
@@ -564,8 +580,9 @@ def held_by(m: MtcfsMount, crc: int, size: int) -> bool:
 
 
 def test_replication_over_the_data_channel(make_cluster):
-    c = make_cluster(3, replicas=2)
+    c = make_cluster(3, replicas=2, extra=MAPPED)
     a = c["a"]
+    assert all(c[n].status()["huge_pages"]["in_use"] for n in "abc")  # (so: mapped)
     knows_data_ports(a)  # (learned from the peers' health replies, a moment after start)
     files = {"r/one": b"\x5a", "r/five": blob(11, 5 * MiB), "r/nine": blob(12, 9 * MiB + 1)}
     for rel, data in files.items():
@@ -605,7 +622,7 @@ def knows_data_ports(m: MtcfsMount) -> None:
 
 
 def test_striped_restore_reads_from_every_holder(make_cluster):
-    c = make_cluster(3, replicas=1)
+    c = make_cluster(3, replicas=1, extra=MAPPED)
     data = write(c["a"], "s/big", blob(21, 96 * MiB + 123))
     holders, reader = holders_and_reader(c, "s/big")
     knows_data_ports(c[reader])
@@ -621,7 +638,7 @@ def test_a_ranged_read_far_into_a_remote_file_is_served_first(make_cluster):
     """A resharded load reads slices of other hosts' files: a read near the end of a
     large file that is not here is served once its own stripe arrived, not after
     everything before it (the fetch goes on from there, then fills the rest)."""
-    c = make_cluster(3, replicas=1)
+    c = make_cluster(3, replicas=1, extra=MAPPED)
     size = 512 * MiB
     data = write(c["a"], "r/big", b"".join(blob(61 + i, 64 * MiB) for i in range(8)))
     _, reader = holders_and_reader(c, "r/big")
@@ -649,7 +666,7 @@ def test_opening_one_file_of_a_remote_step_fetches_the_others_ahead(make_cluster
     """A load on a host that holds none of a step reads its files one after the other:
     the first open of one of them starts fetching the step's other files (those live
     peers hold) in the background, so they are here, or under way, when opened."""
-    c = make_cluster(3, replicas=1)
+    c = make_cluster(3, replicas=1, extra=MAPPED)
     shards = {f"step_7/__{i}_0.distcp": blob(70 + i, 8 * MiB + i) for i in range(4)}
     for rel, data in shards.items():
         write(c["a"], rel, data)
@@ -672,7 +689,7 @@ def test_restore_survives_a_holder_lost_halfway(make_cluster, fault):
     """One holder is stopped (SIGSTOP: its connections stay open, silent) or killed
     (-9) once a quarter of the file arrived: its remaining blocks come from the other
     holder, and the reader gets the file's exact bytes."""
-    c = make_cluster(3, replicas=1)
+    c = make_cluster(3, replicas=1, extra=MAPPED)
     size = 320 * MiB
     data = write(c["a"], "h/big", b"".join(blob(31 + i, 64 * MiB) for i in range(5)))
     want = crc_of(data)
@@ -771,7 +788,7 @@ def test_mixed_cluster_falls_back_to_grpc(make_cluster):
 def test_replica_cut_short_by_a_killed_sender_is_not_kept(make_cluster):
     """kill -9 of the writer mid-push: the receiver keeps nothing of it and counts no
     copy; a read there fails (EIO: no copy is reachable), never wrong bytes."""
-    c = make_cluster(2, replicas=1)
+    c = make_cluster(2, replicas=1, extra=MAPPED)
     a, b = c["a"], c["b"]
     size = 256 * MiB
     write(a, "k/big", b"".join(blob(51 + i, 64 * MiB) for i in range(4)))

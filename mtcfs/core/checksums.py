@@ -395,7 +395,7 @@ def _crcs_between(fd: int, start: int, end: int, block: int,
             continue
         if view is not None and data <= off:
             if hole < off:  # (asked again only past the last answer: each is a scan)
-                hole = _next_hole(fd, off, end)
+                hole = next_hole(fd, off, end)
             if hole >= off + want:
                 crcs.append(crc32c.crc32c(view[off:off + want]))
                 off += want
@@ -429,7 +429,7 @@ def _next_data(fd: int, off: int, end: int) -> int:
         return off  # no SEEK_DATA here: read everything
 
 
-def _next_hole(fd: int, off: int, end: int) -> int:
+def next_hole(fd: int, off: int, end: int) -> int:
     """The first offset >= off where the file may have a hole (`off` if unknown)."""
     try:
         return min(os.lseek(fd, off, os.SEEK_HOLE), end)

@@ -52,8 +52,6 @@ class Sealer:
         self.versions = versions
         self._crc: dict[int, StreamingCrc] = {}
         self._sealing: Counter[int] = Counter()  # inodes with a checksum pass in flight
-        self._passes_over: dict[int, trio.Event] = {}  # set when an inode's passes end
-        self._shrinking: Counter[int] = Counter()  # inodes being shrunk or punched
         # Passthrough: the RAM file's (size, ctime) taken just before the checksum pass of
         # its last seal. tmpfs stamps ctime in fine grain once it was queried, so any write
         # after that stat changes it: an equal stamp means the sealed data is unchanged.
@@ -218,21 +216,12 @@ class Sealer:
     @contextlib.asynccontextmanager
     async def shrinking(self, node: Inode) -> AsyncIterator[None]:
         """Around a shrink of the file's RAM file or a hole punched in it: waits until
-        no checksum pass reads the file (one may read it through a mapping, where a
-        page past the end is SIGBUS and a hole touched is a page allocated; a pass
-        takes about 40 ms per GiB), and passes that start meanwhile read it."""
-        while node.ino in self._sealing:
-            over = self._passes_over.get(node.ino)
-            if over is None:
-                over = self._passes_over[node.ino] = trio.Event()
-            await over.wait()
-        self._shrinking[node.ino] += 1
-        try:
+        no checksum pass or transfer reads the file through a mapping (where a page
+        past the end is SIGBUS and a hole touched is a page allocated; a pass takes
+        about 40 ms per GiB), and those that start meanwhile read it
+        (mtcfs.tiers.mapped)."""
+        async with self.ram.mapped.shrinking(node.ino):
             yield
-        finally:
-            self._shrinking[node.ino] -= 1
-            if not self._shrinking[node.ino]:
-                del self._shrinking[node.ino]
 
     def _unchanged_since_seal(self, node: Inode) -> bool:
         stamp = self._seal_stamp.get(node.ino)
@@ -272,21 +261,18 @@ class Sealer:
             self.stats.seal_full_passes += 1
             fd = self.ram.acquire(node.ino)
             self._sealing[node.ino] += 1
+            # Mapped where huge pages back the tier (38 % less CPU; with small pages,
+            # faulting them in costs more than reading): the pin keeps the file from
+            # shrinking or having a hole punched in it meanwhile (shrinking).
+            pin = self.ram.mapped.pin(node.ino)
             try:
-                # Mapped where huge pages back the tier (38 % less CPU; with small
-                # pages, faulting them in costs more than reading): safe, as the
-                # file system neither shrinks the file nor punches holes in it
-                # while a mapped pass is in flight (shrinking).
-                mapped = self.ram.huge_pages.in_use and node.ino not in self._shrinking
                 crc, blocks = await trio.to_thread.run_sync(
-                    partial(block_crcs_of_fd, fd, size, mapped=mapped))
+                    partial(block_crcs_of_fd, fd, size, mapped=pin.mapped))
             finally:
+                pin.release()
                 self._sealing[node.ino] -= 1
                 if not self._sealing[node.ino]:
                     del self._sealing[node.ino]
-                    over = self._passes_over.pop(node.ino, None)
-                    if over is not None:
-                        over.set()
                 self.ram.release(node.ino)
             if not node.linked:
                 return False

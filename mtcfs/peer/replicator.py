@@ -303,6 +303,7 @@ class Replicator:
             return "NOT_FOUND", "the file's data is gone here", False
         urgent = self.urgent(node)
         yielded = [0.0]
+        pin = self.ram.mapped.pin(node.ino)  # sent from a mapping: no shrink meanwhile
 
         def yield_to_writes() -> None:
             if not urgent:  # an fsync waits for this copy: its writer is blocked
@@ -311,9 +312,10 @@ class Replicator:
 
         try:
             return await trio.to_thread.run_sync(
-                self.channel.push, p, fd, entry, path, yield_to_writes,
+                self.channel.push, p, fd, entry, path, yield_to_writes, pin.mapped,
                 limiter=self.transfers.bulk)
         finally:
+            pin.release()
             os.close(fd)
 
     async def _grpc_push(self, node: Inode, p: Peer, entry: pb.Entry,

@@ -22,6 +22,7 @@ from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
+from mtcfs.tiers.mapped import Pin
 from mtcfs.tiers.ram import RamTierFull
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class PeerHandler(Protocol):
     def abort_receive(self, key: int, tmp: str) -> None: ...  # trio
     def yield_to_writes(self, budget: float) -> float: ...
     def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]: ...  # trio
+    def pin_to_send(self, guid: str) -> Pin: ...  # trio
     async def serve_chunk(self, guid: str, version: int, offset: int, length: int,
                           wait: bool, timeout: float) -> tuple[str, int, int]: ...  # trio
 

@@ -26,6 +26,7 @@ from mtcfs.peer.server import Refused
 from mtcfs.peer.snapshots import Snapshots
 from mtcfs.peer.stats import Stats
 from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.tiers.mapped import NOT_MAPPED, Pin
 from mtcfs.tiers.ram import RamTier
 
 
@@ -165,6 +166,12 @@ class PeerService:
             return self.ram.open_read(node.ino), size
         except FileNotFoundError:  # evicted or removed a moment ago: the reader moves on
             raise Refused(grpc.StatusCode.NOT_FOUND, "no copy here any more") from None
+
+    def pin_to_send(self, guid: str) -> Pin:
+        """A claim to send the file from a mapping of its data (mtcfs.tiers.mapped):
+        no shrink of it until released."""
+        node = self.ns.by_global_id(self.index.resolve(guid))
+        return NOT_MAPPED if node is None else self.ram.mapped.pin(node.ino)
 
     def held(self) -> list[pb.HeldFile]:
         return [pb.HeldFile(id=n.guid, path=self.ns.path_of(n), version=n.version, size=n.size,

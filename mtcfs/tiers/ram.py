@@ -39,6 +39,7 @@ import trio
 
 from mtcfs.mountinfo import entry_at
 from mtcfs.tiers.huge_pages import HugePages
+from mtcfs.tiers.mapped import MappedFiles
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class RamTier:
         self.trash_dir = os.path.join(self.data_dir, ".trash")
         self.own_tmpfs = own_tmpfs
         self.huge_pages = huge_pages or HugePages("always")
+        # Files mapped now (seal passes, transfers): worth it only on huge pages.
+        self.mapped = MappedFiles(lambda: self.huge_pages.in_use)
         self.mounted_tmpfs = False  # this daemon mounted it (none was there to re-adopt)
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         _drop_old_layout(root)
