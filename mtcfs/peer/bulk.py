@@ -3,12 +3,14 @@ beside gRPC, which stays the control plane (index, health, push offers).
 
 Through gRPC every 1 MiB chunk was a protobuf message built and parsed in
 Python; here each 4 MiB block crosses as one frame. One pass over each byte per
-side: the sender reads a block into a buffer once, authenticates it (AES-GMAC,
-or encrypts it with AES-GCM under --peer-encryption) and sends that buffer; the
-receiver receives into a buffer, checks the tag and the block's crc32c there and
-only then writes it into its file. Never a second read of the file, and never a
-byte written that did not verify. The checks run in worker threads (OpenSSL and
-crc32c release the GIL) while the connection's thread moves the next block.
+side: the sender authenticates a block (AES-GMAC, or encrypts it with AES-GCM
+under --peer-encryption) and sends it, from a mapping of the file where huge
+pages back the RAM tier (else read once into a buffer); the receiver receives
+into a mapping of its file (else into a buffer, written only once it verified)
+and checks the tag and the block's crc32c there. Never a second read of the file,
+and never a block counted (nor a byte of it served) that did not verify. The
+checks run in worker threads (OpenSSL and crc32c release the GIL) while the
+connection's thread moves the next block. Mappings: mtcfs.tiers.mapped.
 
 Security is no weaker than the gRPC calls' token:
 

@@ -126,6 +126,7 @@ class Config:
     settle_timeout: float = 180.0
     log_level: str = "info"
     data_path: str = "auto"
+    huge_pages: str = "auto"  # always: seals and transfers go through mappings
     quiet: bool = False
 
     @property
@@ -243,7 +244,8 @@ class Daemon:
                 "--gcs-endpoint", self.run.gcs.url, "--persist", "step",
                 "--keep-steps", str(cfg.keep_steps), "--fsync", cfg.fsync,
                 "--fsync-timeout", str(cfg.fsync_timeout),
-                "--commit-timeout", str(cfg.commit_timeout), "--data-path", cfg.data_path]
+                "--commit-timeout", str(cfg.commit_timeout), "--data-path", cfg.data_path,
+                "--huge-pages", cfg.huge_pages]
 
     def spawn(self) -> int:
         """Start a daemon; returns the log offset its lines start at."""
@@ -1335,6 +1337,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fault weights, e.g. kill_replace=3,gcs_stop=0 "
                          f"(default {DEFAULT_WEIGHTS})")
     ap.add_argument("--data-path", choices=("auto", "passthrough", "fuse"), default="auto")
+    ap.add_argument("--huge-pages", choices=("auto", "always", "never"), default="auto",
+                    help="the daemons' RAM tiers (always: seal passes and data-channel "
+                         "transfers go through mappings of the files)")
     ap.add_argument("--workdir", type=Path, help="logs and results (default /tmp/mtcfs-chaos-*)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -1347,7 +1352,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(seconds=a.minutes * 60, seed=a.seed, fsync=a.fsync, shards=a.shards,
                  shard_kib=a.shard_kib, step_interval=a.step_interval,
                  fault_every=a.fault_every, max_host_faults=a.max_host_faults,
-                 weights=weights, data_path=a.data_path, quiet=a.quiet)
+                 weights=weights, data_path=a.data_path, quiet=a.quiet,
+                 huge_pages=a.huge_pages)
     return 0 if run(cfg, a.workdir)["ok"] else 1
 
 
