@@ -291,8 +291,8 @@ def budget(ctx: Context) -> list[Row]:
         for _ in range(ctx.reps):
             steps["read"].append(each_block(read))
             steps["gmac"].append(each_block(lambda i, off, n: gmac.seal(i, DATA, off, buf[:n])))
-            # Where huge pages back the RAM tier, a block is tagged (and checked) where it
-            # lies, through a mapping of its file: no copy into a buffer first.
+            # Where huge pages back the RAM tier, a block is tagged (sender) and
+            # checksummed (the seal's pass) where it lies, through a mapping of its file.
             steps["gmac_mapped"].append(each_block(
                 lambda i, off, n: gmac.seal(i, DATA, off, mapped[off:off + n])))
             steps["crc32c_mapped"].append(each_block(
@@ -314,9 +314,9 @@ def budget(ctx: Context) -> list[Row]:
     note = (f"per side without the kernel's socket copies: sender (read + tag) "
             f"{sender:.3f}, receiver (tag + crc32c + write) {receiver:.3f}; with "
             f"--peer-encryption sender {med['read'] + med['encrypt']:.3f}, receiver "
-            f"{med['decrypt'] + med['crc32c'] + med['pwrite']:.3f}; through mappings (huge "
-            f"pages) sender (tag) {med['gmac_mapped']:.3f}, receiver (tag + crc32c, the "
-            f"socket's copy lands in the file) {med['gmac_mapped'] + med['crc32c_mapped']:.3f}")
+            f"{med['decrypt'] + med['crc32c'] + med['pwrite']:.3f}; where huge pages back "
+            f"the RAM tier the sender tags a block where it lies, {med['gmac_mapped']:.3f}, "
+            f"and the seal's pass checksums it there, {med['crc32c_mapped']:.3f}")
     what = {"read": "read a block into a buffer (preadv)",
             "gmac": "AES-GMAC tag of a block (default)",
             "encrypt": "AES-256-GCM encryption of a block (--peer-encryption)",
@@ -324,7 +324,7 @@ def budget(ctx: Context) -> list[Row]:
             "crc32c": "crc32c of a block (the receiver's check against the index)",
             "pwrite": "write a block into a replica's file (huge-page tmpfs, warmed)",
             "gmac_mapped": "AES-GMAC tag of a block where it lies (a mapping of the file)",
-            "crc32c_mapped": "crc32c of a block where it lies (a mapping of the file)"}
+            "crc32c_mapped": "crc32c of a block where it lies (the seal's pass, mapped)"}
     return [Row("budget", f"data channel step: {what[k]}", "CPU s/GiB", v,
                 higher_is_better=False, note=note if k == "crc32c_mapped" else "")
             for k, v in steps.items()]

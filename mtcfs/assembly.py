@@ -74,7 +74,6 @@ from mtcfs.lifecycle.withdrawal import Withdrawal
 from mtcfs.persist.attempts import Stats as UploadStats
 from mtcfs.persist.step_report import StepReport
 from mtcfs.tiers.huge_pages import HugePages
-from mtcfs.tiers.mapped import MappedFiles
 from mtcfs.tiers.ram import RamTier
 
 if TYPE_CHECKING:
@@ -290,7 +289,7 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
             PeerSettings(opts.node_id, opts.listen or "", replicas, secret=_secret(opts),
                          tls=_tls(opts), failure_domain=opts.failure_domain or "",
                          commit_timeout=opts.commit_timeout, peer_group=opts.peer_group),
-            _data_channel(opts, ram.mapped))
+            _data_channel(opts))
     uploader: Uploader | NoUploader = NoUploader()
     if opts.bucket:
         from mtcfs.persist.policy import PersistPolicy
@@ -353,7 +352,7 @@ def _membership(opts: MountOptions, events: Events, ram: RamTier) -> Any:
         raise AssemblyError(f"peer tier: {e}") from None
 
 
-def _data_channel(opts: MountOptions, mapped: MappedFiles) -> Any:
+def _data_channel(opts: MountOptions) -> Any:
     """The bulk data channel: its client pool, and how to make its server once the
     peer tier runs (it calls into the trio thread); none with --data-connections 0."""
     from mtcfs.peer.datachannel import DataChannel, NoDataChannel
@@ -380,11 +379,9 @@ def _data_channel(opts: MountOptions, mapped: MappedFiles) -> Any:
     listen = data_listen_address(opts)
 
     def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
-        return BulkServer(handler, in_trio(token), keys, listen, server_tls, verifier=verifier,
-                          mapped=mapped)
+        return BulkServer(handler, in_trio(token), keys, listen, server_tls, verifier=verifier)
 
-    return DataChannel(BulkPool(keys, client_tls, opts.data_connections, verifier, mapped),
-                       server)
+    return DataChannel(BulkPool(keys, client_tls, opts.data_connections, verifier), server)
 
 
 def _secret(opts: MountOptions) -> bytes | None:

@@ -104,13 +104,13 @@ def entry_for(data: bytes, guid: str = "f1") -> pb.Entry:
 
 @pytest.fixture(params=["copied", "mapped"])
 def channel(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Host, BulkServer]]:
-    """The server over a RAM tier whose files are copied through buffers, or (as on
-    huge pages) sent from and received into mappings of them."""
+    """The server over a RAM tier whose files are read into buffers to be sent, or
+    (as on huge pages) sent from mappings of them."""
     ram = RamTier(str(tmp_path / "ram"), 256 * MiB)
     if request.param == "mapped":
         ram.mapped = MappedFiles(lambda: True)
     host = Host(ram)
-    server = BulkServer(host, host.run, Keys(TOKEN), ("127.0.0.1", 0), mapped=ram.mapped)
+    server = BulkServer(host, host.run, Keys(TOKEN), ("127.0.0.1", 0))
     server.start()
     yield host, server
     server.stop()
@@ -313,7 +313,7 @@ def test_push_and_fetch(channel, tmp_path):
     host, server = channel
     data = blob(1, 9 * MiB + 1)
     e = entry_for(data)
-    pool = BulkPool(Keys(TOKEN), None, 2, mapped=host.ram.mapped)
+    pool = BulkPool(Keys(TOKEN), None, 2)
     fd = write_tmp(tmp_path, data)
     assert pool.push(addr(server), fd, e, "d/f", lambda: None, host.ram.mapped.enabled
                      ) == ("OK", "", True)
@@ -321,7 +321,6 @@ def test_push_and_fetch(channel, tmp_path):
     assert Path(host.ram.path(ino)).read_bytes() == data
     # Blocks 1..2 of it (the last one short) into a sparse file, each reported once verified.
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
-    os.ftruncate(out, size)  # (as the reader does: blocks may land through a mapping)
     got: list[tuple[int, int]] = []
     pool.fetch(addr(server), out, "f1", 1, "d/f", size, e.block_crcs, 1, 3,
                lambda off, n: got.append((off, n)))
@@ -549,14 +548,13 @@ def test_a_rotted_block_at_the_holder_is_not_counted(channel, tmp_path):
     host, server = channel
     data = blob(6, 2 * BLOCK)
     e = entry_for(data)
-    pool = BulkPool(Keys(TOKEN), None, 1, mapped=host.ram.mapped)
+    pool = BulkPool(Keys(TOKEN), None, 1)
     assert pool.push(addr(server), write_tmp(tmp_path, data), e, "d/f", lambda: None)[0] == "OK"
     ino, _ = host.held["f1"]
     with open(host.ram.path(ino), "r+b") as f:  # the holder's copy rots under it
         f.seek(BLOCK + 3)
         f.write(b"\xff")
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
-    os.ftruncate(out, len(data))
     got: list[tuple[int, int]] = []
     with pytest.raises(bulk.IntegrityError, match="crc32c"):
         pool.fetch(addr(server), out, "f1", 1, "d/f", len(data), e.block_crcs, 0, 2,
@@ -566,8 +564,8 @@ def test_a_rotted_block_at_the_holder_is_not_counted(channel, tmp_path):
 
 # -- real daemons --------------------------------------------------------------------------------
 
-# The RAM tiers with huge pages, as on a node where the probe picks them: transfers then
-# go through mappings of the files (mtcfs.tiers.mapped) on both sides. The other suites'
+# The RAM tiers with huge pages, as on a node where the probe picks them: senders then
+# send from mappings of the files (mtcfs.tiers.mapped). The other suites'
 # daemons take the probe's choice, which on a VM that hands memory back is often none.
 MAPPED = ("--huge-pages", "always")
 

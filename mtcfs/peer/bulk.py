@@ -5,12 +5,12 @@ Through gRPC every 1 MiB chunk was a protobuf message built and parsed in
 Python; here each 4 MiB block crosses as one frame. One pass over each byte per
 side: the sender authenticates a block (AES-GMAC, or encrypts it with AES-GCM
 under --peer-encryption) and sends it, from a mapping of the file where huge
-pages back the RAM tier (else read once into a buffer); the receiver receives
-into a mapping of its file (else into a buffer, written only once it verified)
-and checks the tag and the block's crc32c there. Never a second read of the file,
-and never a block counted (nor a byte of it served) that did not verify. The
-checks run in worker threads (OpenSSL and crc32c release the GIL) while the
-connection's thread moves the next block. Mappings: mtcfs.tiers.mapped.
+pages back the RAM tier (else read once into a buffer; mappings:
+mtcfs.tiers.mapped); the receiver receives into a buffer, checks the tag and the
+block's crc32c there and only then writes it into its file. Never a second read
+of the file, and never a byte written that did not verify. The checks run in
+worker threads (OpenSSL and crc32c release the GIL) while the connection's
+thread moves the next block.
 
 Security is no weaker than the gRPC calls' token:
 
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import functools
 import hmac
 import inspect
@@ -61,7 +60,7 @@ import ssl
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -77,7 +76,7 @@ from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.server import PeerHandler, Refused
 from mtcfs.peer.v1 import peer_pb2 as pb
-from mtcfs.tiers.mapped import NO_MAPPINGS, NOT_MAPPED, MappedFiles, map_range, unmap
+from mtcfs.tiers.mapped import NOT_MAPPED, map_range, unmap
 from mtcfs.tiers.ram import RamTierFull
 
 log = logging.getLogger(__name__)
@@ -154,17 +153,6 @@ class Keys:
 def spans(start: int, end: int) -> list[tuple[int, int]]:
     """The (offset, length) of each block of bytes [start, end) (start on a boundary)."""
     return [(off, min(BLOCK, end - off)) for off in range(start, end, BLOCK)]
-
-
-def _allocate(fd: int, off: int, n: int) -> None:
-    """Pages for a block about to be received into a mapping: a tmpfs that is full
-    then says ENOSPC here, where a write fault would be SIGBUS."""
-    try:
-        os.posix_fallocate(fd, off, n)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise RamTierFull(n, 0) from None
-        raise
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -333,7 +321,7 @@ class Conn:
         blocks = spans(offset, end)
         jobs: dict[int, Future[tuple[bytes, memoryview]]] = {}
         first = self.sent
-        view = map_range(fd, offset, end, writable=False) if mapped else None
+        view = map_range(fd, offset, end) if mapped else None
 
         def sealed(i: int) -> tuple[bytes, memoryview]:
             if view is not None:
@@ -397,48 +385,33 @@ class Conn:
         finally:
             self.sock.settimeout(timeout)
 
-    def land_blocks(self, fd: int, blocks: list[tuple[int, int]], verifier: Executor,
-                    mapped: bool = False) -> Iterator[tuple[int, int, int]]:
-        """Receive the data frames of `blocks` ((offset, length), in this order, one
-        run) and write each into the file fd at its offset once its tag matched; yield
-        (offset, length, crc32c) for each after it was written (IntegrityError on a bad
-        tag: nothing of that block is written; BulkError for a frame out of place,
+    def land_blocks(self, fd: int, blocks: Iterable[tuple[int, int]], verifier: Executor
+                    ) -> Iterator[tuple[int, int, int]]:
+        """Receive the data frames of `blocks` ((offset, length), in this order) and
+        write each into the file fd at its offset once its tag matched; yield (offset,
+        length, crc32c) for each after it was written (IntegrityError on a bad tag:
+        nothing of that block is written; BulkError for a frame out of place,
         TimeoutError for a stall). The caller checks the crc32c before the block
         counts. The tag, crc32c and write run in `verifier`'s threads while this thread
-        receives the next block.
-
-        `mapped` (a file nobody shrinks meanwhile, sized to hold the blocks already;
-        with huge pages): each block is received straight into a mapping of the file
-        and checked there, never copied through a buffer (the receiver's CPU per GiB
-        falls by a third). Its bytes are then in the file before they verified: the
-        caller must not count them, nor let anyone read them, until the block is
-        yielded (a fetch's blocks count once verified; a pushed replica is a private
-        file until it all verified)."""
+        receives the next block. (Received into a buffer, not into a mapping of the
+        file: that saved nothing measurable in the daemon, alternated A/B, since a
+        page faulted in through a mapping is zeroed first, which a write skips.)"""
         pending: tuple[Future[int], int, int] | None = None
         job: Future[int] | None = None
-        base = blocks[0][0] if blocks else 0
-        view = map_range(fd, base, blocks[-1][0] + blocks[-1][1], writable=True) \
-            if mapped and blocks else None
-        into: memoryview | None = None
         try:
             for i, (off, n) in enumerate(blocks):
                 try:
                     tag = self._data_header(off, n)
                     seq = self.received
                     self.received += 1
-                    if view is not None:
-                        into = view[off - base:off - base + n]
-                        _allocate(fd, off, n)
-                    # Into buffer pair i % 2 (or the mapping): the job of block i - 2
-                    # that used it was waited for (yielded) before block i - 1 was
-                    # received.
-                    self._recv_into(into if into is not None and not self.encrypt
-                                    else self.bufs.raw[i % 2][:n])
+                    # Into buffer pair i % 2: the job of block i - 2 that used it was
+                    # waited for (yielded) before block i - 1 was received.
+                    self._recv_into(self.bufs.raw[i % 2][:n])
                 except (OSError, BadRequest):
                     if pending is not None:  # a forged block before the cut says why first
                         pending[0].result()
                     raise
-                job = verifier.submit(self._check_and_write, fd, seq, off, n, tag, i % 2, into)
+                job = verifier.submit(self._check_and_write, fd, seq, off, n, tag, i % 2)
                 if pending is not None:
                     yield self._landed(*pending)
                 pending = (job, off, n)
@@ -449,14 +422,9 @@ class Conn:
                 if left is not None:  # its buffers must be free before the next use
                     with contextlib.suppress(Exception):
                         left.result()
-            into = job = pending = None  # (the last slices of the mapping)
-            unmap(view)
 
-    def _check_and_write(self, fd: int, seq: int, off: int, n: int, tag: bytes, i: int,
-                         into: memoryview | None = None) -> int:
-        if into is not None:  # landed in the file's mapping (decrypted into it)
-            raw = self.bufs.raw[i][:n] if self.encrypt else into
-            return crc32c.crc32c(self.inn.open(seq, DATA, off, raw, tag, into))
+    def _check_and_write(self, fd: int, seq: int, off: int, n: int, tag: bytes, i: int
+                         ) -> int:
         data = self.inn.open(seq, DATA, off, self.bufs.raw[i][:n], tag, self.bufs.clear[i])
         crc = crc32c.crc32c(data)
         view = data
@@ -646,11 +614,8 @@ class BulkServer:
     def __init__(self, handler: PeerHandler, in_owner: Callable[..., Any], keys: Keys,
                  listen: tuple[str, int], tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_SERVER_CONNECTIONS,
-                 verifier: Executor | None = None, mapped: MappedFiles = NO_MAPPINGS) -> None:
-        """`mapped`: whether replicas are received straight into a mapping of their
-        file (the RAM tier's files have huge pages)."""
+                 verifier: Executor | None = None) -> None:
         self.handler = handler
-        self.mapped = mapped
         self._own_verifier = verifier is None  # else whoever passed it shuts it down
         self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.in_owner = in_owner
@@ -796,12 +761,10 @@ class BulkServer:
         ok = False
         try:
             conn.send_control({"ok": True})
-            fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
             yielded = 0.0
             try:
-                # Mapped: the file is private (and sized) until it all verified.
-                for _, length, crc in conn.land_blocks(fd, spans(0, e.size), self.verifier,
-                                                       mapped=self.mapped.enabled):
+                for _, length, crc in conn.land_blocks(fd, spans(0, e.size), self.verifier):
                     verify.feed_crc(length, crc)  # raises IntegrityError on a bad crc32c
                     self.bytes_received += length
                     # This host's trainer is writing: let it have the CPU (bounded).
@@ -893,11 +856,8 @@ class BulkPool:
     and reused; used from worker threads (every call blocks)."""
 
     def __init__(self, keys: Keys, tls: ssl.SSLContext | None, connections: int,
-                 verifier: Executor | None = None, mapped: MappedFiles = NO_MAPPINGS) -> None:
-        """`mapped`: whether fetched blocks are received straight into a mapping of
-        their file (the RAM tier's files have huge pages)."""
+                 verifier: Executor | None = None) -> None:
         self.keys = keys
-        self.mapped = mapped
         self._own_verifier = verifier is None  # else whoever passed it shuts it down
         self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.tls = _Tls(tls)
@@ -992,9 +952,7 @@ class BulkPool:
               size: int, block_crcs: bytes, first: int, last: int,
               on_block: Callable[[int, int], None]) -> None:
         """Blocks [first, last) of a held file into fd at their offsets, each reported
-        through on_block (in this thread) once its MAC and crc32c matched (fd: sized
-        already, and nobody shrinks it meanwhile: the blocks may land through a
-        mapping, see Conn.land_blocks). Raises
+        through on_block (in this thread) once its MAC and crc32c matched. Raises
         BulkError, Remote or IntegrityError (the connection is dropped; blocks reported
         so far stay good)."""
         if len(block_crcs) != 4 * block_count(size):
@@ -1009,8 +967,7 @@ class BulkPool:
                 raise Remote("FAILED_PRECONDITION", f"{reply.get('size')} bytes there, "
                                                     f"{size} here")
             for i, (off, length, crc) in enumerate(
-                    c.land_blocks(fd, spans(offset, end), self.verifier,
-                                  mapped=self.mapped.enabled)):
+                    c.land_blocks(fd, spans(offset, end), self.verifier)):
                 if crc != want[i]:
                     e = IntegrityError(f"block at {off}: crc32c mismatch")
                     e.bad_range = (off, off + length)

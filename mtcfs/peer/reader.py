@@ -245,10 +245,6 @@ class PeerReader:
         guid, version, size = node.guid, node.version, node.size
         path, crcs = self.ns.path_of(node), bytes(node.block_crcs or b"")
         blocks = block_count(size)
-        if os.fstat(fd).st_size < size:
-            # Sized at once: blocks may land through a mapping of the file, which must
-            # hold them (and huge pages back a file sized beforehand: huge=within_size).
-            os.ftruncate(fd, size)
 
         def fetch(p: Peer, first: int, last: int, progress: Progress) -> None:
             def verified(off: int, length: int) -> None:

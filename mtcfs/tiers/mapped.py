@@ -1,10 +1,9 @@
 """RAM files read or written through a mapping, and the shrinks that must wait for them.
 
-On a tmpfs with huge pages, touching a RAM file where it lies costs far less than
-copying it through read()/write(): a seal's checksum pass, and both ends of a
-transfer on the data channel (the sender tags and sends a block from its mapping,
-the receiver receives into its mapping and checks the block there), measured in
-docs/benchmarks.md. But a mapped page past the file's end is SIGBUS, which kills the
+On a tmpfs with huge pages, reading a RAM file where it lies costs less than
+copying it into a buffer first: a seal's checksum pass, and the sending end of a
+transfer on the data channel (it tags and sends each block from the mapping),
+measured in docs/benchmarks.md. But a mapped page past the file's end is SIGBUS, which kills the
 daemon, and a hole touched through a mapping allocates a page. So the file system
 never shrinks a file, nor punches a hole in it, while a mapping of it is in use: a
 shrink waits for them (a pass or a transfer takes well under a second per GiB), and a
@@ -105,25 +104,18 @@ class MappedFiles:
                     del self._shrinking[ino]
 
 
-NO_MAPPINGS = MappedFiles(lambda: False)  # nothing is mapped here
-
-
-def map_range(fd: int, start: int, end: int, writable: bool) -> memoryview | None:
+def map_range(fd: int, start: int, end: int) -> memoryview | None:
     """Bytes [start, end) of the open file fd (start a multiple of the page size)
-    mapped shared, or None where they cannot be: the file ends before `end`, or (to
-    read) has a hole in the range. Only under a pin (or on a file nobody else shrinks):
-    checked here, a shrink later would still be SIGBUS. Unmapped once the view and
-    every slice of it are gone."""
+    mapped shared and read-only, or None where they cannot be: the file ends before
+    `end`, or has a hole in the range. Only under a pin: checked here, a shrink later
+    would still be SIGBUS. Unmapped once the view and every slice of it are gone."""
     if end <= start:
         return None
     try:
-        if os.fstat(fd).st_size < end:
+        if os.fstat(fd).st_size < end or next_hole(fd, start, end) < end:
             return None
-        if not writable and next_hole(fd, start, end) < end:
-            return None
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return memoryview(mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=prot,
-                                    offset=start))
+        return memoryview(mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED,
+                                    prot=mmap.PROT_READ, offset=start))
     except (OSError, ValueError):
         return None
 
