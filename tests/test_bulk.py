@@ -811,3 +811,36 @@ def test_replica_cut_short_by_a_killed_sender_is_not_kept(make_cluster):
     with pytest.raises(OSError) as err:
         (b.path / "k/big").read_bytes()
     assert err.value.errno == 5
+
+
+def test_a_receiver_killed_mid_push_leaves_the_replica_to_another_host(make_cluster):
+    """kill -9 of the host receiving a replica, part-way (the writer sends from a
+    mapping of its file): the writer's push fails without harm to it, and once the
+    receiver is found dead the replica goes to the third host, byte for byte."""
+    c = make_cluster(3, replicas=1, extra=MAPPED)
+    a = c["a"]
+    knows_data_ports(a)
+    size = 256 * MiB
+    data = write(a, "k/big", b"".join(blob(71 + i, 64 * MiB) for i in range(4)))
+
+    def receiving() -> str | None:
+        for name in ("b", "c"):
+            for p in (c[name].ram_dir / "data" / ".incoming").iterdir():
+                try:
+                    if 0 < p.stat().st_blocks * 512 < size * 3 // 4:
+                        return name
+                except FileNotFoundError:  # renamed into place meanwhile
+                    pass
+        return None
+
+    victim = wait_until(receiving, 30, interval=0.001, what="a replica part-way")
+    c.kill9(victim)
+    other = "c" if victim == "b" else "b"
+    st = wait_until(lambda: (s := a.state("k/big"))["replicas"] >= 1
+                    and c[other].node_id in s["holders"] and s, 60,
+                    what=f"the replica on {other}")
+    assert c[victim].node_id not in st["holders"], st
+    assert held_by(c[other], crc_of(data), len(data))
+    assert (c[other].path / "k/big").read_bytes() == data
+    assert file_crc(a.path / "k/big") == crc_of(data)  # the writer's copy is intact
+    assert pstatus(a)["integrity_errors"] == 0
