@@ -316,8 +316,8 @@ class Conn:
 
         `mapped` (the caller holds a pin on the file: mtcfs.tiers.mapped): blocks are
         tagged and sent where they lie in a mapping of the file, never copied into a
-        buffer (on a huge-page tmpfs the sender's CPU per GiB halves); a range with a
-        hole in it is read as without."""
+        buffer (on a huge-page tmpfs, 15 % less of the sender's CPU per GiB in the
+        daemon: docs/benchmarks.md); a range with a hole in it is read as without."""
         blocks = spans(offset, end)
         jobs: dict[int, Future[tuple[bytes, memoryview]]] = {}
         first = self.sent

@@ -1,14 +1,14 @@
-"""RAM files read or written through a mapping, and the shrinks that must wait for them.
+"""RAM files read through a mapping, and the shrinks that must wait for them.
 
 On a tmpfs with huge pages, reading a RAM file where it lies costs less than
 copying it into a buffer first: a seal's checksum pass, and the sending end of a
 transfer on the data channel (it tags and sends each block from the mapping),
-measured in docs/benchmarks.md. But a mapped page past the file's end is SIGBUS, which kills the
-daemon, and a hole touched through a mapping allocates a page. So the file system
-never shrinks a file, nor punches a hole in it, while a mapping of it is in use: a
-shrink waits for them (a pass or a transfer takes well under a second per GiB), and a
-mapping asked for during a shrink is refused (the caller reads or writes with system
-calls instead, whose faults are errors, not signals).
+measured in docs/benchmarks.md. But a mapped page past the file's end is SIGBUS,
+which kills the daemon, and a hole touched through a mapping allocates a page. So
+the file system never shrinks a file, nor punches a hole in it, while a mapping of
+it is in use: a shrink waits for them (a pass or a transfer takes well under a
+second per GiB), and a mapping asked for during a shrink is refused (the caller
+reads with system calls instead, whose faults are errors, not signals).
 
 One lock, any thread: pins are taken in the trio thread or in workers, released in
 workers; a shrink waits in the trio thread.
