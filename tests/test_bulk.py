@@ -91,8 +91,9 @@ class Host:
         ino, size = self.held[guid]
         return self.ram.open_read(ino), size
 
-    def pin_to_send(self, guid: str) -> Pin:
-        return self.ram.mapped.pin(self.held[guid][0])
+    def open_to_send(self, guid: str, version: int) -> tuple[int, int, Pin]:
+        fd, size = self.open_for_fetch(guid, version)
+        return fd, size, self.ram.mapped.pin(self.held[guid][0])
 
 
 def entry_for(data: bytes, guid: str = "f1") -> pb.Entry:
@@ -783,6 +784,17 @@ def test_mixed_cluster_falls_back_to_grpc(make_cluster):
     assert pstatus(b)["bulk_fetched_bytes"] == 0
 
 
+def replica_part_way(m: MtcfsMount, size: int) -> bool:
+    """A replica of `size` bytes is arriving at m: less than 3/4 of it there so far."""
+    for p in (m.ram_dir / "data" / ".incoming").iterdir():
+        try:
+            if 0 < p.stat().st_blocks * 512 < size * 3 // 4:
+                return True
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return False
+
+
 def test_replica_cut_short_by_a_killed_sender_is_not_kept(make_cluster):
     """kill -9 of the writer mid-push: the receiver keeps nothing of it and counts no
     copy; a read there fails (EIO: no copy is reachable), never wrong bytes."""
@@ -791,17 +803,8 @@ def test_replica_cut_short_by_a_killed_sender_is_not_kept(make_cluster):
     size = 256 * MiB
     write(a, "k/big", b"".join(blob(51 + i, 64 * MiB) for i in range(4)))
     incoming = b.ram_dir / "data" / ".incoming"
-
-    def partial() -> bool:
-        for p in incoming.iterdir():
-            try:
-                if 0 < p.stat().st_blocks * 512 < size * 3 // 4:
-                    return True
-            except FileNotFoundError:  # renamed into place meanwhile
-                pass
-        return False
-
-    wait_until(partial, 30, interval=0.001, what="a replica part-way to b")
+    wait_until(lambda: replica_part_way(b, size), 30, interval=0.001,
+               what="a replica part-way to b")
     c.kill9("a")
     wait_until(lambda: not list(incoming.iterdir()), 15, what="b's .incoming emptied")
     st = b.state("k/big")
@@ -824,14 +827,7 @@ def test_a_receiver_killed_mid_push_leaves_the_replica_to_another_host(make_clus
     data = write(a, "k/big", b"".join(blob(71 + i, 64 * MiB) for i in range(4)))
 
     def receiving() -> str | None:
-        for name in ("b", "c"):
-            for p in (c[name].ram_dir / "data" / ".incoming").iterdir():
-                try:
-                    if 0 < p.stat().st_blocks * 512 < size * 3 // 4:
-                        return name
-                except FileNotFoundError:  # renamed into place meanwhile
-                    pass
-        return None
+        return next((name for name in ("b", "c") if replica_part_way(c[name], size)), None)
 
     victim = wait_until(receiving, 30, interval=0.001, what="a replica part-way")
     c.kill9(victim)

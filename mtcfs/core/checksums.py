@@ -330,7 +330,7 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK,
     fd = os.dup(fd)  # this file, whatever is put at `fd` during the pass (dup2)
     try:
         end = min(size, os.fstat(fd).st_size)
-        view = _map(fd, end) if mapped else None
+        view = map_read_only(fd, 0, end) if mapped else None
         try:
             blocks = -(-end // block)
             if blocks < PARALLEL_SEAL_BLOCKS:
@@ -343,26 +343,32 @@ def block_crcs_of_fd(fd: int, size: int, block: int = BLOCK,
                 if off == mid:  # else the file ended in the first half: as far as it goes
                     crcs, off = crcs + more, last
         finally:
-            if view is not None:
-                # (BufferError: the other half still holds a slice, its pass failed
-                # with ours; the mapping goes with the last slice.)
-                with contextlib.suppress(BufferError):
-                    view.release()
+            # (The other half may still hold a slice, its pass failed with ours.)
+            unmap(view)
     finally:
         os.close(fd)
     return _combine_blocks(crcs, off, block), pack_crcs(crcs)
 
 
-def _map(fd: int, length: int) -> memoryview | None:
-    """A read-only view of the file's first `length` bytes (None: empty, or not
-    mappable here: the pass reads instead). Unmapped once the view and the
-    slices taken from it are gone."""
-    if length <= 0:
+def map_read_only(fd: int, start: int, end: int) -> memoryview | None:
+    """A read-only, shared view of bytes [start, end) of the file (start a multiple of
+    the page size; None: empty, or not mappable here: the caller reads instead).
+    Unmapped once the view and the slices taken from it are gone (unmap)."""
+    if end <= start:
         return None
     try:
-        return memoryview(mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        return memoryview(mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED,
+                                    prot=mmap.PROT_READ, offset=start))
     except (OSError, ValueError):
         return None
+
+
+def unmap(view: memoryview | None) -> None:
+    """Let go of a view from map_read_only (the mapping goes with the last slice of it
+    still held)."""
+    if view is not None:
+        with contextlib.suppress(BufferError):
+            view.release()
 
 
 def _half_pool() -> ThreadPoolExecutor:

@@ -71,12 +71,19 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.message import DecodeError
 
-from mtcfs.core.checksums import BLOCK, BlockVerifier, IntegrityError, block_count, crc32c_combine
+from mtcfs.core.checksums import (
+    BLOCK,
+    BlockVerifier,
+    IntegrityError,
+    block_count,
+    crc32c_combine,
+    unmap,
+)
 from mtcfs.peer import mover, security
 from mtcfs.peer.security import BadRequest
 from mtcfs.peer.server import PeerHandler, Refused
 from mtcfs.peer.v1 import peer_pb2 as pb
-from mtcfs.tiers.mapped import NOT_MAPPED, map_range, unmap
+from mtcfs.tiers.mapped import map_range
 from mtcfs.tiers.ram import RamTierFull
 
 log = logging.getLogger(__name__)
@@ -797,14 +804,12 @@ class BulkServer:
             raise BadRequest("bad version, offset or length")
         if offset % BLOCK:
             raise BadRequest(f"offset {offset} is not on a block boundary")
-        fd, size = self.in_owner(self.handler.open_for_fetch, guid, version)
-        pin = NOT_MAPPED
+        fd, size, pin = self.in_owner(self.handler.open_to_send, guid, version)
         try:
             if offset > size:
                 raise BadRequest(f"offset {offset} is beyond the file's {size} bytes")
             end = size if length == 0 else min(size, offset + length)
             conn.send_control({"ok": True, "size": size})
-            pin = self.in_owner(self.handler.pin_to_send, guid)
             for n in conn.send_blocks(fd, offset, end, ahead=self.verifier,
                                       mapped=pin.mapped):
                 self.bytes_served += n

@@ -65,7 +65,7 @@ class PeerHandler(Protocol):
     def abort_receive(self, key: int, tmp: str) -> None: ...  # trio
     def yield_to_writes(self, budget: float) -> float: ...
     def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]: ...  # trio
-    def pin_to_send(self, guid: str) -> Pin: ...  # trio
+    def open_to_send(self, guid: str, version: int) -> tuple[int, int, Pin]: ...  # trio
     async def serve_chunk(self, guid: str, version: int, offset: int, length: int,
                           wait: bool, timeout: float) -> tuple[str, int, int]: ...  # trio
 

@@ -11,7 +11,7 @@ import grpc
 
 from mtcfs.core.copies import Copies
 from mtcfs.core.events import Listener
-from mtcfs.core.namespace import CLOSED, SEALING, Namespace
+from mtcfs.core.namespace import CLOSED, SEALING, Inode, Namespace
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.peer import restore, wire
 from mtcfs.peer.catchup import CatchUps
@@ -26,7 +26,7 @@ from mtcfs.peer.server import Refused
 from mtcfs.peer.snapshots import Snapshots
 from mtcfs.peer.stats import Stats
 from mtcfs.peer.v1 import peer_pb2 as pb
-from mtcfs.tiers.mapped import NOT_MAPPED, Pin
+from mtcfs.tiers.mapped import Pin
 from mtcfs.tiers.ram import RamTier
 
 
@@ -148,6 +148,16 @@ class PeerService:
         return True
 
     def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]:
+        fd, size, _ = self._open_copy(guid, version)
+        return fd, size
+
+    def open_to_send(self, guid: str, version: int) -> tuple[int, int, Pin]:
+        """open_for_fetch, and a claim to send the file from a mapping of its data
+        (mtcfs.tiers.mapped): no shrink of it until the pin is released."""
+        fd, size, node = self._open_copy(guid, version)
+        return fd, size, self.ram.mapped.pin(node.ino)
+
+    def _open_copy(self, guid: str, version: int) -> tuple[int, int, Inode]:
         node = self.ns.by_global_id(self.index.resolve(guid))
         if node is None or not node.linked:
             raise Refused(grpc.StatusCode.NOT_FOUND, "no such file here")
@@ -163,15 +173,9 @@ class PeerService:
                           f"version {node.version} here, {version} asked for")
         size = node.sealed_size if rewritten else node.size
         try:
-            return self.ram.open_read(node.ino), size
+            return self.ram.open_read(node.ino), size, node
         except FileNotFoundError:  # evicted or removed a moment ago: the reader moves on
             raise Refused(grpc.StatusCode.NOT_FOUND, "no copy here any more") from None
-
-    def pin_to_send(self, guid: str) -> Pin:
-        """A claim to send the file from a mapping of its data (mtcfs.tiers.mapped):
-        no shrink of it until released."""
-        node = self.ns.by_global_id(self.index.resolve(guid))
-        return NOT_MAPPED if node is None else self.ram.mapped.pin(node.ino)
 
     def held(self) -> list[pb.HeldFile]:
         return [pb.HeldFile(id=n.guid, path=self.ns.path_of(n), version=n.version, size=n.size,

@@ -17,7 +17,6 @@ workers; a shrink waits in the trio thread.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
 from collections import Counter
@@ -25,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 
-from mtcfs.core.checksums import next_hole
+from mtcfs.core.checksums import map_read_only, next_hole
 
 SHRINK_POLL = 0.005  # a waiting shrink looks again this often (shrinks are rare)
 
@@ -105,23 +104,12 @@ class MappedFiles:
 
 
 def map_range(fd: int, start: int, end: int) -> memoryview | None:
-    """Bytes [start, end) of the open file fd (start a multiple of the page size)
-    mapped shared and read-only, or None where they cannot be: the file ends before
-    `end`, or has a hole in the range. Only under a pin: checked here, a shrink later
-    would still be SIGBUS. Unmapped once the view and every slice of it are gone."""
-    if end <= start:
-        return None
+    """map_read_only of bytes [start, end) of the open file fd, or None where the file
+    ends before `end` or has a hole in the range. Only under a pin: checked here, a
+    shrink later would still be SIGBUS."""
     try:
         if os.fstat(fd).st_size < end or next_hole(fd, start, end) < end:
             return None
-        return memoryview(mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED,
-                                    prot=mmap.PROT_READ, offset=start))
-    except (OSError, ValueError):
+    except OSError:
         return None
-
-
-def unmap(view: memoryview | None) -> None:
-    """Let go of a mapping from map_range (it goes with the last slice still held)."""
-    if view is not None:
-        with contextlib.suppress(BufferError):
-            view.release()
+    return map_read_only(fd, start, end)

@@ -17,10 +17,10 @@ import google_crc32c
 import pytest
 import trio
 
-from mtcfs.core.checksums import BLOCK
+from mtcfs.core.checksums import BLOCK, unmap
 from mtcfs.peer import bulk
 from mtcfs.peer.bulk import Keys
-from mtcfs.tiers.mapped import MappedFiles, map_range, unmap
+from mtcfs.tiers.mapped import MappedFiles, map_range
 from mtcfs.tiers.ram import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE
 
 from support.inprocess import Host
