@@ -303,7 +303,7 @@ class Namespace:
 
     def _put(self, node: Inode) -> None:
         """Write the node's row (in a coalescing transaction: its state at the end)."""
-        self.store.put_node(node.ino, node.params)
+        self.store.put_node(node.ino, node.params, node.children is not None)
 
     def _attach(self, parent: Inode, name: bytes, node: Inode) -> None:
         """Add the name: the node's own if it has none, else a further (hard) link."""

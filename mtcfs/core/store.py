@@ -16,6 +16,7 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 
 SCHEMA_VERSION = 6
 # An inode row's columns (_INODE_COLS' order), as Inode.params makes them.
@@ -177,6 +178,12 @@ class MetaStore:
         # A coalescing transaction's inode and link writes (None: written at once).
         self._inodes: dict[int, Callable[[], Params] | None] | None = None
         self._links: dict[tuple[int, bytes], int | None] = {}
+        # Rows left for later by write_behind (None: delete it), oldest first; each is
+        # written with its inode's state when it is written.
+        self._later: dict[int, Callable[[], Params] | None] = {}
+        self._later_links: dict[tuple[int, bytes], int | None] = {}
+        self._now: set[int] = set()  # a coalescing transaction's rows never left for later
+        self._behind = 0  # write_behind contexts open (nested)
 
     def _schema_version(self) -> str | None:
         try:
@@ -195,7 +202,7 @@ class MetaStore:
         if self._depth == 0:
             self.db.execute("BEGIN")
             if coalesce:
-                self._inodes, self._links = {}, {}
+                self._inodes, self._links, self._now = {}, {}, set()
         self._depth += 1
         try:
             yield
@@ -211,11 +218,64 @@ class MetaStore:
         if self._depth == 0:
             self.db.execute("COMMIT")
 
+    @contextmanager
+    def write_behind(self) -> Iterator[None]:
+        """Within it, coalesced transactions leave their inode and link rows for later
+        (write_later) instead of writing them: a host pulling a snapshot has its index
+        in memory sooner, and a third of applying one is these rows. A crash before
+        they are written loses nothing that matters: a starting host pulls a whole
+        snapshot again (mtcfs.peer.join)."""
+        self._behind += 1
+        try:
+            yield
+        finally:
+            self._behind -= 1
+
+    @property
+    def deferring(self) -> bool:
+        """A write_behind is open."""
+        return self._behind > 0
+
+    @property
+    def rows_later(self) -> int:
+        """Rows left for later by write_behind, not written yet."""
+        return len(self._later) + len(self._later_links)
+
+    def write_later(self, limit: int) -> int:
+        """Write up to `limit` of the rows left for later (the oldest first, each with
+        its inode's state now), in one transaction. Returns how many are left."""
+        inodes = {ino: self._later.pop(ino) for ino in list(islice(self._later, limit))}
+        room = max(0, limit - len(inodes))
+        links = {k: self._later_links.pop(k) for k in list(islice(self._later_links, room))}
+        if inodes or links:
+            with self.transaction():
+                self._write_rows(inodes, links)
+        return self.rows_later
+
     def _flush(self) -> None:
         inodes, links = self._inodes, self._links
         if inodes is None:
             return
         self._inodes, self._links = None, {}
+        if self._behind:
+            now = {ino: inodes.pop(ino) for ino in self._now if ino in inodes}
+            self._later.update(inodes)
+            self._later_links.update(links)
+            self._write_rows(now, {})
+            return
+        if self._later:  # written now with their state now: none is needed later
+            for ino in inodes:
+                self._later.pop(ino, None)
+            for ino in links.values():  # a name needs its inode's row
+                if ino is not None and ino in self._later:
+                    inodes[ino] = self._later.pop(ino)
+        if self._later_links:
+            for key in links:
+                self._later_links.pop(key, None)
+        self._write_rows(inodes, links)
+
+    def _write_rows(self, inodes: dict[int, Callable[[], Params] | None],
+                    links: dict[tuple[int, bytes], int | None]) -> None:
         gone = [(ino,) for ino, r in inodes.items() if r is None]
         if gone:
             self.db.executemany("DELETE FROM inodes WHERE ino=?", gone)
@@ -233,6 +293,9 @@ class MetaStore:
             self.db.executemany("INSERT OR REPLACE INTO dentries VALUES (?,?,?,1)", names)
 
     def close(self) -> None:
+        """Every row left for later is written first."""
+        while self._later or self._later_links:
+            self.write_later(10_000)
         self.db.close()
 
     # -- reads (startup only) ------------------------------------------------
@@ -254,13 +317,18 @@ class MetaStore:
 
     # -- writes ----------------------------------------------------------------
 
-    def put_node(self, ino: int, params: Callable[[], Params]) -> None:
+    def put_node(self, ino: int, params: Callable[[], Params], named: bool = False) -> None:
         """Write the inode's row, params() its columns in _INODE_COLS' order; in a
         coalescing transaction params() is called at its end (once, however often the
-        inode changed)."""
+        inode changed). named: other rows name it (a directory, their parent): never
+        left for later, else a crash would leave them orphans."""
         if self._inodes is not None:
             self._inodes[ino] = params
+            if named:
+                self._now.add(ino)
             return
+        if self._later:
+            self._later.pop(ino, None)
         self.db.execute(
             f"INSERT OR REPLACE INTO inodes ({_INODE_COLS}) VALUES ({_INODE_PARAMS})",
             params())
@@ -274,6 +342,8 @@ class MetaStore:
         if self._inodes is not None:
             self._inodes[ino] = None
             return
+        if self._later:
+            self._later.pop(ino, None)
         with self.transaction():
             self.db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
             self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
@@ -283,12 +353,18 @@ class MetaStore:
         if self._inodes is not None:
             self._links[(parent, name)] = ino
             return
+        if self._later_links:
+            self._later_links.pop((parent, name), None)
+        if (later := self._later.pop(ino, None)) is not None:  # a name needs its row
+            self.put_node(ino, later)
         self.db.execute("INSERT OR REPLACE INTO dentries VALUES (?,?,?,1)", (parent, name, ino))
 
     def delete_link(self, parent: int, name: bytes) -> None:
         if self._inodes is not None:
             self._links[(parent, name)] = None
             return
+        if self._later_links:
+            self._later_links.pop((parent, name), None)
         self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
 
     def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:

@@ -92,6 +92,15 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def applying_snapshot(ns: Namespace) -> Iterator[None]:
+    """While a snapshot (or a catch-up's changes) is applied: the collector paused
+    (gc_paused) and the index's rows left for the store to write later
+    (MetaStore.write_behind, written by mtcfs.peer.join.LaterRows)."""
+    with gc_paused(), ns.store.write_behind():
+        yield
+
+
 def stamp_of(node: Inode) -> tuple[int, str]:
     return (node.lamport, node.writer)
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import grpc
 import trio
 
+from mtcfs.core.store import MetaStore
 from mtcfs.peer.catchup import Pulled
-from mtcfs.peer.index import gc_paused
+from mtcfs.peer.index import applying_snapshot
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.remote import RemoteChanges
@@ -23,15 +25,45 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT = 60.0
 MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between slices)
+ROWS_PER_SLICE = 2_000  # rows left for later written per slice (about 15 ms here)
+
+
+class LaterRows:
+    """Writes the rows that pulls left for later (MetaStore.write_behind) once no
+    pull is under way, in slices with FUSE served between them: a joining host is
+    live with its index in memory, its store complete a second or two later."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+        self._wake = trio.Event()
+
+    def poke(self) -> None:
+        """A pull ended: its rows are to be written."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            t0, rows = time.monotonic(), self.store.rows_later
+            while self.store.rows_later and not self.store.deferring:
+                self.store.write_later(ROWS_PER_SLICE)
+                await trio.sleep(0)
+            if rows and not self.store.rows_later:
+                log.info("stored the %d index rows pulled snapshots left for later in "
+                         "%.1f s", rows, time.monotonic() - t0)
 
 
 class SnapshotPuller:
     def __init__(self, members: Membership, remote: RemoteChanges, outbox: Outbox,
-                 stats: Stats, settings: PeerSettings, transfers: Transfers) -> None:
+                 stats: Stats, settings: PeerSettings, transfers: Transfers,
+                 later: LaterRows) -> None:
         """`remote`: where pulled entries are applied; `outbox`: where they are
-        republished down the tree (a catch-up for this host's side)."""
+        republished down the tree (a catch-up for this host's side); `later`: writes
+        the index rows a pull leaves for later."""
         self.members = members
         self.remote = remote
+        self.later = later
         self.outbox = outbox
         self.stats = stats
         self.node_id = settings.node_id
@@ -89,7 +121,7 @@ class SnapshotPuller:
                 failed.append("abandoned")
 
         entries = applied = 0
-        with gc_paused():
+        with applying_snapshot(self.remote.index.ns):
             async with trio.open_nursery() as n, recv:
                 n.start_soon(run_pull)
                 async for piece in recv:
@@ -100,6 +132,7 @@ class SnapshotPuller:
                         await trio.sleep(0)
                     if republish:
                         self.outbox.put(piece)
+        self.later.poke()
         if bad[0]:
             self.stats.error(f"snapshot from {p.addr}: {bad[0]} malformed entries ignored")
         if failed:

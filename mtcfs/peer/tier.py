@@ -37,7 +37,7 @@ from mtcfs.peer.catchup import CatchUps, Markers
 from mtcfs.peer.datachannel import DataChannel
 from mtcfs.peer.dissemination import BROADCAST_TIMEOUT, Broadcaster, TreeCalls
 from mtcfs.peer.index import ReplicatedIndex
-from mtcfs.peer.join import MAX_BATCH, Join, SnapshotPuller
+from mtcfs.peer.join import MAX_BATCH, Join, LaterRows, SnapshotPuller
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.reader import PeerReader
@@ -70,7 +70,7 @@ class PeerTier(Listener):
                  index: ReplicatedIndex, broadcaster: Broadcaster, catchups: CatchUps,
                  join: Join, replicator: Replicator, reader: PeerReader,
                  service: PeerService, remote: RemoteChanges, channel: DataChannel,
-                 transfers: Transfers, stats: Stats) -> None:
+                 transfers: Transfers, stats: Stats, later: LaterRows) -> None:
         self.settings = settings
         self.node_id = settings.node_id
         self.members = members
@@ -85,6 +85,7 @@ class PeerTier(Listener):
         self.channel = channel
         self.transfers = transfers
         self.stats = stats
+        self.later = later  # writes the index rows pulled snapshots left for later
         self.server: grpc.Server | _NotServing = _NotServing()
         self.port = 0
         self._started = False
@@ -116,6 +117,7 @@ class PeerTier(Listener):
         await self.join.run()
         me.ready = True
         self._started = True
+        nursery.start_soon(self.later.run)
         self.catchups.start(nursery)
         self.replicator.start(nursery)
 
@@ -277,7 +279,8 @@ def build_peer_tier(ns: Namespace, ram: RamTier, copies: Copies, events: Listene
     broadcaster = Broadcaster(members, node_id, index, outbox, TreeCalls(members),
                               Inbox(remote, markers, stats), kernel, settings.commit_timeout,
                               group=settings.peer_group)
-    puller = SnapshotPuller(members, remote, outbox, stats, settings, transfers)
+    later = LaterRows(ns.store)
+    puller = SnapshotPuller(members, remote, outbox, stats, settings, transfers, later)
     # Peers found dead since we started, caught up with once they are back.
     catchups = CatchUps(members.me, members, puller, broadcaster, events, markers)
     reader = PeerReader(ns, members, copies, channel, stats, settings, transfers)
@@ -287,4 +290,4 @@ def build_peer_tier(ns: Namespace, ram: RamTier, copies: Copies, events: Listene
                           remote, catchups, reader, replicator, channel, stats, settings)
     return PeerTier(settings, members, index, broadcaster, catchups,
                     Join(members, puller, settings.commit_timeout), replicator, reader,
-                    service, remote, channel, transfers, stats)
+                    service, remote, channel, transfers, stats, later)
