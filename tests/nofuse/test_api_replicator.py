@@ -123,6 +123,25 @@ async def test_requeue_takes_every_file_short_of_copies_and_skips_running_ones(
     assert sorted(n.name for n in rep.queue.waiting.values()) == [b"f", b"g"]
 
 
+async def test_a_timed_retry_takes_the_files_left_short_not_every_file(make_host) -> None:
+    """A file no peer took stays in `short` and the idle workers' retry queues it
+    again; files never tried (or complete) are not looked at: on a large index that
+    scan was an idle host's largest cost."""
+    a, b = await cluster(make_host, 2, replicas=0)
+    for name in ("f", "g"):
+        await a.write_file(name, name.encode())
+    rep = a.mount.peers.replicator
+    rep.replicas = 1
+    f = a.node("f")
+    rep.short[f.ino] = f  # as a worker leaves a file no peer took
+    rep.retry_short(wake=False)
+    assert [n.name for n in rep.queue.waiting.values()] == [b"f"]
+    rep.queue.waiting.clear()
+    rep.replicas = 0  # no copies needed any more: it leaves the set
+    rep.retry_short(wake=False)
+    assert rep.short == {} and rep.queue.waiting == {}
+
+
 async def test_a_removed_file_leaves_the_queue(make_host) -> None:
     a, b = await cluster(make_host, 2, replicas=0)
     await a.write_file("f", b"data")
