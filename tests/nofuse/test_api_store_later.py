@@ -158,7 +158,13 @@ async def test_a_joining_host_is_live_then_its_store_has_every_row(make_host, ca
     await make_host.start(c)
     assert sorted(c.listdir("step_2")) == sorted(f"shard{i}" for i in range(400))
     store = c.mount.ns.store
-    await until(lambda: store.rows_later == 0, what="c's rows written")
+
+    def said() -> list[int]:  # LaterRows' line, once it has written them all
+        return [r.args[0] for r in caplog.records
+                if isinstance(r.msg, str) and r.msg.startswith("stored the")]
+
+    await until(lambda: said(), what="c's rows written")
+    assert store.rows_later == 0
     con = sqlite3.connect(store.path)
     try:
         sizes = sorted(size for name, size in con.execute("SELECT name, size FROM inodes")
@@ -166,6 +172,4 @@ async def test_a_joining_host_is_live_then_its_store_has_every_row(make_host, ca
     finally:
         con.close()
     assert sizes == sorted(list(range(1, 401)) * 3)
-    # They were left for later (the files' rows: the directories were written at once).
-    later = [r.args[0] for r in caplog.records if r.msg.startswith("stored the")]
-    assert later and later[0] >= 1_200, later
+    assert said()[0] >= 1_200, said()  # they were left for later, then written
