@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sqlite3
 import time
 
 import grpc
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT = 60.0
 MAX_BATCH = 500  # snapshot entries applied per slice (FUSE is served between slices)
 ROWS_PER_SLICE = 2_000  # rows left for later written per slice (about 15 ms here)
+LATER_RETRY = 5.0  # seconds before rows the store could not take are tried again
 
 
 class LaterRows:
@@ -47,7 +49,12 @@ class LaterRows:
             self._wake = trio.Event()
             t0, rows = time.monotonic(), self.store.rows_later
             while self.store.rows_later and not self.store.deferring:
-                self.store.write_later(ROWS_PER_SLICE)
+                try:
+                    self.store.write_later(ROWS_PER_SLICE)
+                except sqlite3.Error as e:  # the RAM dir full: the rows wait, no crash
+                    log.warning("storing index rows left for later: %s; again in %.0f s",
+                                e, LATER_RETRY)
+                    await trio.sleep(LATER_RETRY)
                 await trio.sleep(0)
             if rows and not self.store.rows_later:
                 log.info("stored the %d index rows pulled snapshots left for later in "

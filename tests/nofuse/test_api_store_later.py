@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import trio
 
 from mtcfs.core.namespace import ROOT, Inode, Namespace
 from mtcfs.core.store import MetaStore
@@ -173,3 +174,33 @@ async def test_a_joining_host_is_live_then_its_store_has_every_row(make_host, ca
         con.close()
     assert sizes == sorted(list(range(1, 401)) * 3)
     assert said()[0] >= 1_200, said()  # they were left for later, then written
+
+
+@pytest.mark.trio
+async def test_rows_the_store_cannot_take_wait_and_go_later(tmp_path: Path, monkeypatch,
+                                                            caplog) -> None:
+    """The RAM dir full when LaterRows writes: it says so and tries again; the daemon
+    goes on (the rows are written once there is room)."""
+    from mtcfs.peer import join
+
+    db = tmp_path / "meta.db"
+    ns = Namespace(MetaStore(str(db)))
+    pulled(ns, 3)
+    monkeypatch.setattr(join, "LATER_RETRY", 0.01)
+    real, fails = ns.store.write_later, [2]
+
+    def full_twice(limit: int) -> int:
+        if fails[0]:
+            fails[0] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(limit)
+
+    monkeypatch.setattr(ns.store, "write_later", full_twice)
+    later = join.LaterRows(ns.store)
+    async with trio.open_nursery() as n:
+        n.start_soon(later.run)
+        later.poke()
+        await until(lambda: ns.store.rows_later == 0, what="the rows written")
+        n.cancel_scope.cancel()
+    assert caplog.text.count("database or disk is full") == 2
+    assert {n for n in stored(db) if n.startswith(b"shard")} == {b"shard0", b"shard1", b"shard2"}
