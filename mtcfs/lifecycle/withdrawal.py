@@ -217,17 +217,12 @@ class Withdrawal(Listener):
         now = trio.current_time()
         if self._candidates is None or now >= self._rescan_at:
             self._rescan_at = now + INTERVAL
-            found = [n for n in list(ns.inodes.values())
-                     if n.is_dir and n.linked and self.hidden_markers(n)]
-            self._candidates = {d.ino for d in found}
-            return found
-        found = []
-        for ino in list(self._candidates):
-            d = ns.inodes.get(ino)
-            if d is not None and d.is_dir and d.linked and self.hidden_markers(d):
-                found.append(d)
-            else:
-                self._candidates.discard(ino)
+            found = [n for n in list(ns.inodes.values()) if n.linked and self.is_withdrawn(n)]
+        else:
+            found = [d for ino in self._candidates
+                     if (d := ns.inodes.get(ino)) is not None and d.linked
+                     and self.is_withdrawn(d)]
+        self._candidates = {d.ino for d in found}
         return found
 
     def _note_lost(self, withdrawn: list[Inode]) -> None:
@@ -275,9 +270,7 @@ class Withdrawal(Listener):
         guids = {f.guid for f in lost if f.guid}
         markers = [name for name in list(d.children or {}) if self.rules.is_marker_name(name)]
         for name in markers:
-            await self._rename(d, name, d, name + _SUFFIX)
-            if self._candidates is not None:
-                self._candidates.add(d.ino)
+            await self._rename(d, name, d, name + _SUFFIX)  # (renamed: a candidate now)
         parent = ns.inodes[d.parent]
         if d.name + _SUFFIX not in (parent.children or {}):
             await self._rename(parent, d.name, parent, d.name + _SUFFIX)
