@@ -772,7 +772,12 @@ class Chaos:
                          f"({res.get('op')}: {res.get('error', '')[:120]}) with faults "
                          f"{faults}", step=step, host=f"h{h}", res=res)
 
-    def commit(self, step: int) -> bool:
+    def commit(self, step: int, step_started: float) -> str:
+        """The step's commit on its host: "committed", "failed" (training stops), or
+        "abandoned": it failed after a host was replaced during the step. A real job
+        then restarts from its newest intact step instead of committing this one
+        without the shards the replaced host held (and the replacement may have
+        withdrawn it already)."""
         c = self.cfg
         h = step % c.hosts
         d = self.daemons[h]
@@ -788,10 +793,18 @@ class Chaos:
                 self.journal("committed", say=f"step {step} committed on h{h} "
                              f"(rename {res['rename_s']:.2f} s)", step=step, host=f"h{h}",
                              rename_s=res["rename_s"], elapsed=res["elapsed"])
-                return True
+                return "committed"
             self.note_error("commit", step, h, res)
+            replaced = sorted(f"h{r}" for r, times in self.replaced_at.items()
+                              if any(t >= step_started for t in times))
+            if replaced:
+                self.counts["steps_abandoned_replaced"] += 1
+                self.journal("step_abandoned", say=f"step {step} abandoned: its commit "
+                             f"failed ({res.get('errname')}) after {', '.join(replaced)} "
+                             "was replaced during the step", step=step, replaced=replaced)
+                return "abandoned"
             if not self.retry(res, started, f"commit of step {step} on h{h}"):
-                return False
+                return "failed"
 
     def retry(self, res: dict, started: float, what: str) -> bool:
         """After a failed write or commit: wait a moment and try again (True), or give up
@@ -812,14 +825,17 @@ class Chaos:
             while time.monotonic() < until:
                 step += 1
                 self.attempted.append(step)
+                step_started = time.monotonic()
                 parts = list(pool.map(lambda h, step=step: self.host_part(step, h),
                                       range(c.hosts)))
                 if not all(parts):
                     self.journal("step_abandoned", say=f"step {step} abandoned", step=step)
                     return
-                if not self.commit(step):
+                outcome = self.commit(step, step_started)
+                if outcome == "failed":
                     return
-                self.committed.append(step)
+                if outcome == "committed":
+                    self.committed.append(step)
                 time.sleep(c.step_interval)
 
     # -- the end -----------------------------------------------------------------------------
@@ -1128,6 +1144,7 @@ class Chaos:
             result.update({
                 "faults": {k: self.faults.get(k, 0) for k in KINDS},
                 "steps_attempted": len(self.attempted),
+                "steps_abandoned_replaced": self.counts["steps_abandoned_replaced"],
                 "writer_errors": dict(self.writer_errors),
                 "mount_failures": self.counts["mount_failures"],
                 "slow_ops": self.counts["slow_ops"],
