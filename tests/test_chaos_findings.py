@@ -56,7 +56,7 @@ def test_a_partition_leaves_a_healthy_committed_step_intact(tmp_path: Path) -> N
         ch.gcs.signal(signal.SIGSTOP)
         for h in range(3):
             assert ch.host_part(1, h)
-        assert ch.commit(1)
+        assert ch.commit(1, time.monotonic()) == "committed"
         ch.committed.append(1)
 
         def steps(i: int) -> list[dict]:
@@ -130,7 +130,7 @@ def test_a_marker_waits_for_the_files_of_a_host_cut_off_while_it_wrote(tmp_path:
         time.sleep(4)  # the others find h2 dead
         for h in range(3):
             assert ch.host_part(1, h)
-        assert ch.commit(1)
+        assert ch.commit(1, time.monotonic()) == "committed"
         ch.committed.append(1)
         deadline = time.monotonic() + 6  # (h2 is back before it counts as gone)
         while time.monotonic() < deadline:

@@ -1279,6 +1279,8 @@ def report(r: dict) -> str:
                                                  f"{r.get('markers_unsent', '-')} markers in GCS"),
         ("  broken (neither)", r.get("steps_broken", "-")),
         ("  verified, beside a stale *.mtcfs-withdrawn/", r.get("leftover_withdrawn_dirs", "-")),
+        ("steps abandoned (commit failed, a host replaced)", r.get("steps_abandoned_replaced",
+                                                                    0)),
         ("files lost", r.get("files_lost", "-")),
         ("files corrupt", r.get("files_corrupt", "-")),
         ("markers in GCS for incomplete steps", f"{r.get('bad_markers_in_gcs', '-')} (still at "
