@@ -321,8 +321,8 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
     if with_peers:
         from mtcfs.peer.membership import GONE_AFTER
 
-        withdrawal = Withdrawal(fs, copies, rules, members.live_nodes, members.job_size,
-                                members.down_for, GONE_AFTER)
+        withdrawal = Withdrawal(fs, copies, tier, rules, members.live_nodes,
+                                members.job_size, members.down_for, GONE_AFTER)
 
     # A replacement host pulls the copies the job counts on it for (none without peers).
     restore = ReplacementRestore(ns, rules, fetcher, opts.node_id, opts.keep_steps,

@@ -213,6 +213,10 @@ class Metrics(Collector):
                            lc["withdrawn_steps"])
             yield _gauge("mtcfs_steps_withdrawn_now", "Withdrawn steps in the namespace now",
                          lc["withdrawn_now"])
+            yield _counter("mtcfs_lost_files_found_in_bucket",
+                           "Files with no copy on any host found in the bucket (an upload "
+                           "whose record died with its uploader)",
+                           lc["lost_files_found_in_bucket"])
         yield _counter("mtcfs_replicas_refused",
                        "Replicas from peers refused for lack of space", ram.get("refused", 0))
 

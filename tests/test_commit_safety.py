@@ -403,3 +403,45 @@ def test_a_withdrawn_step_is_reinstated_once_its_lost_file_is_back_and_persisted
     wait_until(lambda: "step_1" in os.listdir(a.path), timeout=40, what="step 1 reinstated")
     assert (a.path / "step_1" / "commit_success.txt").read_bytes() == b"ok"
     assert (a.path / "step_1" / "b0").read_bytes() == blob(2, 100_000)
+
+
+def test_a_lost_file_whose_upload_landed_keeps_its_step(make_cluster, tmp_path):
+    """b's upload of its shard landed in the bucket, and b died before the record of it
+    reached a (a chaos run: its step was withdrawn, and the object came back from the
+    bucket listing as a stray step directory beside the withdrawn one). a finds the
+    object by the file's name, size and crc32c, keeps step 1 and serves the shard from
+    the bucket; step 2, whose object under that name holds other bytes, is withdrawn."""
+    from mtcfs.tiers.durable.localdir import LocalDirTier
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    c = make_cluster(2, replicas=1, start=False,
+                     extra=("--bucket", f"file://{bucket}", "--persist", "manual"))
+    c.define("b", replicas=0)  # b keeps its shards' only copies
+    c.start("a", "b")
+    a, b = c["a"], c["b"]
+    tier = LocalDirTier(str(bucket))
+    for step, landed in ((1, blob(2, 100_000)), (2, blob(9, 100_000))):
+        d = f"step_{step}"
+        (a.path / d).mkdir()
+        (a.path / d / "a0").write_bytes(blob(1, 100_000))
+        wait_until(lambda d=d: (b.path / d).is_dir(), timeout=10, what=f"{d} on b")
+        (b.path / d / "b0").write_bytes(blob(2, 100_000))
+        wait_until(lambda d=d: (a.path / d / "b0").exists(), timeout=10, what="b0 on a")
+        (a.path / d / "commit_success.txt").write_bytes(b"ok")
+        src = tmp_path / f"landed{step}"
+        src.write_bytes(landed)
+        tier.put_file(f"{d}/b0", str(src), crc_of(landed))  # as b's upload would have
+    assert b.state("step_1/b0")["persisted"] is False
+    c.kill9("b")
+    wait_until(lambda: "step_2.mtcfs-withdrawn" in os.listdir(a.path), timeout=40,
+               what="step 2 withdrawn")
+    wait_until(lambda: "step_1/b0 has no copy on any host, but its upload had landed"
+               in a.log(), timeout=10, what="step 1's b0 found in the bucket")
+    assert "step_1" in os.listdir(a.path) and "step_1.mtcfs-withdrawn" not in os.listdir(
+        a.path)
+    assert (a.path / "step_1" / "b0").read_bytes() == blob(2, 100_000)
+    assert a.state("step_1/b0")["persisted"] is True
+    steps = {s["path"]: s for s in _steps(a)}
+    assert not steps["step_1"]["withdrawn"]
+    assert steps["step_2.mtcfs-withdrawn"]["lost_files"] == ["step_2.mtcfs-withdrawn/b0"]

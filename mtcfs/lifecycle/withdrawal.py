@@ -45,6 +45,7 @@ from mtcfs.core.events import Listener
 from mtcfs.core.namespace import ROOT
 from mtcfs.core.steps import StepRules, all_steps, files_under
 from mtcfs.fs.filesystem import FsError
+from mtcfs.tiers.durable import DurableError, DurableTier
 
 if TYPE_CHECKING:
     from mtcfs.core.namespace import Inode
@@ -60,19 +61,24 @@ _SUFFIX = SUFFIX.encode()
 # the acting host: at 240,010 entries a scan of every directory takes about 60 ms.
 INTERVAL = 60.0
 REINSTATE_AFTER = 10.0  # seconds every file of a withdrawn step must have had a copy
+LANDED_TIMEOUT = 20.0  # seconds a lost file's look in the bucket may take
 
 
 class Withdrawal(Listener):
     """Acts through the filesystem (`fs`): its renames are renames on the mount,
     which every host hears of. `live_nodes`: the node ids of the live peers;
     `down_for(node_id)`: seconds since that node was last seen alive; `gone_after`:
-    how long every holder of a lost file must have been down (membership's bound)."""
+    how long every holder of a lost file must have been down (membership's bound).
+    `durable`: where a lost file's upload may have landed unrecorded (mtcfs.absent's
+    NoDurable without a bucket)."""
 
-    def __init__(self, fs: Filesystem, copies: Copies, rules: StepRules,
+    def __init__(self, fs: Filesystem, copies: Copies, durable: DurableTier, rules: StepRules,
                  live_nodes: Callable[[], list[str]], job_size: Callable[[], int],
                  down_for: Callable[[str], float], gone_after: float) -> None:
         self.fs = fs
         self.copies = copies
+        self.durable = durable
+        self.landed = 0  # lost files found in the bucket (uploads whose record was lost)
         self.rules = rules
         self.live_nodes = live_nodes
         self.down_for = down_for
@@ -189,6 +195,8 @@ class Withdrawal(Listener):
                 elif wait < math.inf:
                     self._wake_at = min(self._wake_at, now + wait)
             if lost:
+                lost = [f for f in lost if not await self._landed(f)]
+            if lost and all(self.lost(f) for f in lost):
                 await self._withdraw(d, lost)
         recovering = {}
         for d in withdrawn:
@@ -211,6 +219,34 @@ class Withdrawal(Listener):
             else:
                 self._wake_at = min(self._wake_at, since + REINSTATE_AFTER)
         self._recovering = recovering
+
+    async def _landed(self, f: Inode) -> bool:
+        """Whether lost `f` is in the bucket after all: its uploader died after the
+        upload landed and before the record of it reached any other host. An object
+        under its name with its size and crc32c is that copy: recorded as persisted
+        (and announced), so the step keeps its names. Unreachable bucket: not found."""
+        if not self.durable.url or f.crc32c is None:
+            return False
+        ns = self.fs.ns
+        path, version = ns.path_of(f), f.version
+        info = None
+        with trio.move_on_after(LANDED_TIMEOUT):
+            try:
+                info = await trio.to_thread.run_sync(self.durable.stat, path,
+                                                     abandon_on_cancel=True)
+            except (DurableError, OSError, ValueError) as e:
+                log.warning("%s has no copy on any host; looking for it in %s: %s", path,
+                            self.durable.url, e)
+        if info is None or info.size != f.size or info.crc32c != f.crc32c:
+            return False
+        if not f.linked or f.version != version or ns.path_of(f) != path or not self.lost(f):
+            return False  # changed while we looked: the next pass looks again
+        self.copies.persisted(f, info.generation, version)
+        self.landed += 1
+        log.warning("%s has no copy on any host, but its upload had landed (%s, generation "
+                    "%d, crc32c %08x): kept, served from there", path, self.durable.url,
+                    info.generation, info.crc32c)
+        return True
 
     def _withdrawn_dirs(self) -> list[Inode]:
         ns = self.fs.ns
@@ -317,4 +353,5 @@ class Withdrawal(Listener):
 
     def status(self) -> dict[str, object]:
         return {"withdrawn_steps": self.withdrawn, "reinstated_steps": self.reinstated,
+                "lost_files_found_in_bucket": self.landed,
                 "withdrawn_now": len(self._withdrawn_dirs())}

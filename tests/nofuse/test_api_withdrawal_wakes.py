@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from mtcfs.absent import NoDurable
 from mtcfs.core.copies import Copies
 from mtcfs.core.namespace import ROOT, Inode
 from mtcfs.core.steps import StepRules
@@ -32,7 +33,7 @@ def host(tmp_path: Path) -> tuple[simnet.IndexStore, Withdrawal]:
     store = simnet.IndexStore("h0", str(tmp_path / "h0"))
     store.index.copies = Copies("h0", ns=store.index.ns, is_live=lambda h: h in LIVE)
     w = Withdrawal(SimpleNamespace(ns=store.index.ns), store.index.copies,  # type: ignore[arg-type]
-                   StepRules(), lambda: sorted(LIVE), lambda: 2, lambda h: 0.0, 15.0)
+                   NoDurable(), StepRules(), lambda: sorted(LIVE), lambda: 2, lambda h: 0.0, 15.0)
     return store, w
 
 
