@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,12 @@ _SUFFIX = SUFFIX.encode()
 INTERVAL = 60.0
 REINSTATE_AFTER = 10.0  # seconds every file of a withdrawn step must have had a copy
 LANDED_TIMEOUT = 20.0  # seconds a lost file's look in the bucket may take
+# Seconds after peers changed (one restarted or was replaced, this host started)
+# before a file with no known copy counts as lost: the holders of a restarted
+# writer's replicas announce them again at once (its own word of them may have died
+# with it), and that may still be on its way. A chaos run withdrew a step whose
+# marker a peer held, 0.25 s after the writer's replacement started.
+SETTLE = 3.0
 
 
 class Withdrawal(Listener):
@@ -79,6 +86,7 @@ class Withdrawal(Listener):
         self.copies = copies
         self.durable = durable
         self.landed = 0  # lost files found in the bucket (uploads whose record was lost)
+        self._peers_changed_at = time.monotonic()  # (starting is a change too)
         self.rules = rules
         self.live_nodes = live_nodes
         self.down_for = down_for
@@ -104,6 +112,7 @@ class Withdrawal(Listener):
     # -- events (Listener): a copy may have gone, or come back -------------------------------
 
     def peers_changed(self) -> None:
+        self._peers_changed_at = time.monotonic()
         self._wake.set()
 
     def remote_changed(self, nodes: list[Inode]) -> None:
@@ -194,6 +203,10 @@ class Withdrawal(Listener):
                     lost.append(f)
                 elif wait < math.inf:
                     self._wake_at = min(self._wake_at, now + wait)
+            settled_in = self._peers_changed_at + SETTLE - time.monotonic()
+            if lost and settled_in > 0:
+                self._wake_at = min(self._wake_at, now + settled_in)
+                continue  # their holders' word may be on its way: look again then
             if lost:
                 lost = [f for f in lost if not await self._landed(f)]
             if lost and all(self.lost(f) for f in lost):

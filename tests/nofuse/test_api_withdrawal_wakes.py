@@ -108,3 +108,29 @@ async def test_every_directory_is_looked_at_again_each_interval(tmp_path: Path,
     monkeypatch.setattr(wd, "INTERVAL", 0.0)
     w._rescan_at = trio.current_time()
     assert [d.name for d in w._withdrawn_dirs()] == [b"step_1"]
+
+
+async def test_a_file_without_a_known_copy_waits_for_its_holders_word(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A file no host is known to hold counts as lost only SETTLE s after peers changed:
+    when a writer is replaced, the holders of its replicas announce them again at once
+    (the writer's own word of them may have died with it). A chaos run withdrew a step
+    whose marker a peer held, 0.25 s after the writer's replacement started."""
+    store, w = host(tmp_path)
+    orphan = simnet.entry("f9", "d1", "shard9", 3, "h0", size=10)
+    del orphan.holders[:]  # its writer (this host, replaced) holds nothing now
+    applied(store, simnet.entry("d1", "root", "step_1", 1, "h1", is_dir=True),
+            simnet.entry("m1", "d1", "commit_success.txt", 2, "h1", size=1), orphan)
+    withdrawn: list[tuple[bytes, list[bytes]]] = []
+
+    async def withdraw(d: Inode, lost: list[Inode]) -> None:
+        withdrawn.append((d.name, [f.name for f in lost]))
+
+    monkeypatch.setattr(w, "_withdraw", withdraw)
+    w.peers_changed()  # (the replacement's peers came alive)
+    await w.pass_once()
+    assert withdrawn == []
+    assert w._wake_at <= trio.current_time() + wd.SETTLE  # it looks again then
+    w._peers_changed_at -= wd.SETTLE
+    await w.pass_once()
+    assert withdrawn == [(b"step_1", [b"shard9"])]
