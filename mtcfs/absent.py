@@ -78,6 +78,9 @@ class NoUploader(Listener):
 class NoListing:
     """No bucket to list."""
 
+    def __init__(self) -> None:
+        self.old_objects: list[Callable[[Inode, ObjectInfo], None]] = []  # never told
+
     async def refresh_loop(self, pending_deletes: Mapping[str, int]) -> None:
         return
 

@@ -445,3 +445,45 @@ def test_a_lost_file_whose_upload_landed_keeps_its_step(make_cluster, tmp_path):
     steps = {s["path"]: s for s in _steps(a)}
     assert not steps["step_1"]["withdrawn"]
     assert steps["step_2.mtcfs-withdrawn"]["lost_files"] == ["step_2.mtcfs-withdrawn/b0"]
+
+
+def test_a_renamed_files_object_left_under_its_old_name_is_moved(make_cluster, tmp_path):
+    """A rename moves the file's object in the bucket by a server-side copy, pending in
+    the mover's metadata store until it lands. a renames x to y while the bucket
+    refuses writes, and dies; its replacement starts with an empty RAM dir, the copy
+    gone with the old one. (A chaos run: the old name came back from the bucket
+    listing as a stray step directory, for good.) The owner moves the object once a
+    listing finds it by its generation, size and crc32c; x shows nowhere."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    c = make_cluster(2, replicas=1, start=False,
+                     extra=("--bucket", f"file://{bucket}", "--persist", "on-close",
+                            "--list-refresh", "2"))
+    c.define("a", replicas=0)  # a keeps x's only copy in its RAM
+    c.start("a", "b")
+    a, b = c["a"], c["b"]
+    data = blob(5, 300_000)
+    (a.path / "x").write_bytes(data)
+    wait_until(lambda: a.state("x")["persisted"], timeout=20, what="x persisted")
+    subprocess.run(["mount", "--bind", str(bucket), str(bucket)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(bucket)], check=True)
+        os.rename(a.path / "x", a.path / "y")
+        wait_until(lambda: "y" in os.listdir(b.path), timeout=10, what="the rename on b")
+        time.sleep(1)
+        assert not (bucket / "y").exists()  # the copy waits for the bucket
+        c.kill9("a")
+    finally:
+        subprocess.run(["umount", str(bucket)], check=True)
+    new_a = c.replace("a")  # an empty RAM dir: the pending copy died with the old one
+    wait_until(lambda: (bucket / "y").exists() and not (bucket / "x").exists(), timeout=30,
+               what="y's object moved to its name")
+    assert (bucket / "y").read_bytes() == data
+    for m in (new_a, b):
+        # (Until its word of the move arrives, a host knows y has no copy: EIO.)
+        wait_until(lambda m=m: m.state("y")["persisted"], timeout=10,
+                   what=f"y persisted, seen from {m.node_id}")
+        wait_until(lambda m=m: "x" not in os.listdir(m.path), timeout=15,
+                   what=f"no stale x on {m.node_id}")
+        assert (m.path / "y").read_bytes() == data
+    assert "its object is still under its old name x: moving it" in new_a.log()

@@ -10,7 +10,10 @@ written or changed by any host, no copy anywhere) whose object is gone. A host
 that starts with an empty RAM dir lists the bucket while a rename's old objects
 (a withdrawn or reinstated step's other name) are not deleted yet; it cannot
 tell them from the live ones, so it merges both and announces them to the
-others. Once their delete lands, every host's next listing drops them.
+others. Once their delete lands, every host's next listing drops them. An
+object under a renamed file's old name whose move no host will make (the host
+that renamed it died before its server-side copy) is found by the file's size
+and crc32c: not merged, and the file's writer moves it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import logging
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -59,6 +63,9 @@ class BucketListing:
         self.refresh = refresh
         self.stats = Stats()
         self._made: set[int] = set()  # names this merge made (see _stale_withdrawal_name)
+        # Told of an object that is a renamed file's, still under its old name (the
+        # uploader: its owner moves it).
+        self.old_objects: list[Callable[[Inode, ObjectInfo], None]] = []
 
     # -- the tree ----------------------------------------------------------------
 
@@ -78,9 +85,20 @@ class BucketListing:
         changed = 0
         seen: set[int] = set()
         self._made = set()
+        moving: dict[tuple[int, int], list[Inode]] | None = None  # built when first needed
         with self.ns.store.transaction():
             for obj in objects:
                 if obj.key in pending_deletes or obj.key.endswith("/"):
+                    continue
+                here = self._node_at(obj.key)
+                if obj.crc32c is not None and (here is None or self._ghost(here)):
+                    if moving is None:
+                        moving = self._awaiting_move()
+                    f = self._moved_away(obj, here, moving)
+                else:
+                    f = None
+                if f is not None:
+                    seen.add(f.ino)  # (its object is there, under the old name)
                     continue
                 node = self._merge_object(obj)
                 if node is not None:
@@ -138,6 +156,45 @@ class BucketListing:
         self.ns.persist(node)
         return node
 
+    def _awaiting_move(self) -> dict[tuple[int, int], list[Inode]]:
+        """Sealed files whose object is not under their name, by size and crc32c: a
+        rename leaves a file unpersisted until its server-side copy lands."""
+        out: dict[tuple[int, int], list[Inode]] = {}
+        for f in self.ns.files():
+            if (not f.persisted and f.state == CLOSED and f.linked and f.crc32c is not None
+                    and f.size):
+                out.setdefault((f.size, f.crc32c), []).append(f)
+        return out
+
+    def _node_at(self, key: str) -> Inode | None:
+        d: Inode | None = self.ns.inodes[ROOT]
+        parts = [p.encode("utf-8", "surrogateescape") for p in key.split("/")]
+        for comp in parts[:-1]:
+            d = self.ns.child(d, comp) if d is not None and d.is_dir else None
+        return self.ns.child(d, parts[-1]) if d is not None and d.is_dir else None
+
+    def _moved_away(self, obj: ObjectInfo, here: Inode | None,
+                    moving: dict[tuple[int, int], list[Inode]]) -> Inode | None:
+        """The renamed file `obj` holds under its old name, if it is one: no live file
+        has that name (a stale copy merged by an earlier listing at most), and exactly
+        one unpersisted file has its size and crc32c. Not merged (it would come back
+        as a stale copy of the old name on every host); its owner moves it (a chaos
+        run: the host that renamed a step died before its copies, and the old name
+        stayed for good). A stale copy merged before (by a host that listed while its
+        namespace was empty) goes."""
+        files = moving.get((obj.size, obj.crc32c or 0), [])
+        if len(files) != 1 or files[0] is here or self.ns.path_of(files[0]) == obj.key:
+            return None
+        f = files[0]
+        if here is not None:
+            log.warning("%s is the old name of %s, whose object is not moved yet: removing "
+                        "it on every host", obj.key, self.ns.path_of(f))
+            self.copies.unpersisted(here)  # (the object is f's now: not deleted with it)
+            self._remove_ghost(here)
+        for tell in self.old_objects:
+            tell(f, obj)
+        return f
+
     def _stale_withdrawal_name(self, d: Inode, name: bytes, key: str) -> bool:
         """An object under a step's other name, which this host already knew (not made
         by this merge): a withdrawn step's (or marker's) old name, or a reinstated
@@ -184,7 +241,7 @@ class BucketListing:
         """Files we knew as persisted whose objects are gone from the bucket."""
         for node in self._vanished(seen):
             if self._ghost(node):
-                self._remove_ghost(node)
+                self._forget_ghost(node)
                 continue
             self.copies.unpersisted(node)  # ours is now the only copy: persisted again
             if not (node.has_data or node.opens):
@@ -197,7 +254,7 @@ class BucketListing:
     def _forget_ghosts(self, seen: set[int]) -> None:
         for node in self._vanished(seen):
             if self._ghost(node):
-                self._remove_ghost(node)
+                self._forget_ghost(node)
 
     @staticmethod
     def _ghost(node: Inode) -> bool:
@@ -206,11 +263,14 @@ class BucketListing:
         return (node.lamport == 0 and not node.writer and not node.holders
                 and not node.has_data and not node.opens and not node.links)
 
+    def _forget_ghost(self, node: Inode) -> None:
+        log.warning("%s is gone from the bucket and nowhere else: removing it on every "
+                    "host", self.ns.path_of(node))
+        self._remove_ghost(node)
+
     def _remove_ghost(self, node: Inode) -> None:
         """Removed on every host (a tombstone: no host brings it back), and so is its
         directory when that was a ghost too, now empty."""
-        log.warning("%s is gone from the bucket and nowhere else: removing it on every "
-                    "host", self.ns.path_of(node))
         parent = self._remove_everywhere(node)
         while (parent.ino != ROOT and not parent.children and parent.lamport == 0
                and not parent.writer):
