@@ -298,7 +298,7 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
         uploader = Uploader(ns, ram, tier, PersistPolicy.parse(opts.persist or "step"), rules,
                             copies, events, node_id=opts.node_id if with_peers else "",
                             hosts_accounted=peers.hosts_accounted, stats=upload_stats)
-        listing.old_objects.append(uploader.old_object_found)
+        listing.old_objects.append(uploader.server_copies.old_object_found)
 
     # What may not be evicted now (being uploaded, pushed) and what may make room.
     space = SpaceManager(ns, ram, copies, rules, [uploader, peers], opts.keep_steps,

@@ -37,6 +37,15 @@ class Outbox:
 
     def put(self, entries: list[pb.Entry]) -> None:
         """Queue changes for every host: they leave in a batch within GATHER."""
+        if self.announcements and entries:
+            # A waiting announcement of the same file is older than this change and
+            # leaves after it: its holders still merge (the same version), but its
+            # persisted state must not. A file renamed within ANNOUNCE of its upload
+            # was taken as persisted under its new name on every other host.
+            ids = {e.id for e in entries}
+            for a in self.announcements:
+                if a.id in ids:
+                    a.persisted_version = a.generation = 0
         self._queue(self.changes, entries, GATHER)
 
     def announce(self, entries: list[pb.Entry]) -> None:

@@ -21,6 +21,7 @@ from mtcfs.persist.markers import Markers
 from mtcfs.tiers.durable import (
     DurableError,
     DurableTier,
+    ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
     Unavailable,
@@ -86,6 +87,21 @@ class ServerCopies:
     def move_pending(self, node: Inode) -> bool:
         """A copy brings this file under its new name (it is not uploaded meanwhile)."""
         return any(ino == node.ino and j.move for (ino, _), j in self.jobs.items())
+
+    def old_object_found(self, node: Inode, obj: ObjectInfo) -> None:
+        """The bucket listing found renamed `node`'s object under its old name: a
+        move its mover's copy should have made. Its writer makes it (again: the
+        mover's pending copy may have died with it, a host replaced by an empty one;
+        a second copy of a move still running is harmless)."""
+        if (node.persisted or not writes(self.node_id, node) or self.move_pending(node)
+                or obj.crc32c != node.crc32c or obj.size != node.size):
+            return
+        path = self.ns.path_of(node)
+        with self.ns.store.transaction():
+            self.add(CopyJob(node.ino, path, obj.key, obj.generation, node.version, move=True))
+            self.save()
+        log.warning("%s: its object is still under its old name %s: moving it", path, obj.key)
+        self.wake.unpark_all()
 
     def save(self) -> None:
         self.ns.store.set_meta(COPIES_KEY, json.dumps([vars(j) for j in self.jobs.values()]))

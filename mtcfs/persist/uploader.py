@@ -53,7 +53,6 @@ from mtcfs.tiers.durable import (
     DurableError,
     DurableTier,
     IntegrityError,
-    ObjectInfo,
     PreconditionFailed,
     Unavailable,
 )
@@ -226,21 +225,6 @@ class Uploader(Listener):
         for f in files:
             if not f.generation and f.state == CLOSED and self.owns(f):
                 self.sealed(f)
-
-    def old_object_found(self, node: Inode, obj: ObjectInfo) -> None:
-        """The bucket listing found renamed `node`'s object under its old name: a
-        move that its mover's server-side copy should have made. Its owner makes it
-        (again: the mover's pending copy may have died with it, a host replaced by an
-        empty one; a second copy of a move still running is harmless)."""
-        if node.persisted or not self.owns(node) or self.server_copies.move_pending(node):
-            return
-        path = self.ns.path_of(node)
-        with self.ns.store.transaction():
-            self.server_copies.add(CopyJob(node.ino, path, obj.key, obj.generation,
-                                           node.version, move=True))
-            self.server_copies.save()
-        log.warning("%s: its object is still under its old name %s: moving it", path, obj.key)
-        self._lot.unpark_all()
 
     def name_removed(self, node: Inode, path: str, was_own: bool) -> None:
         """A hard-linked file lost the name at `path` (it keeps others)."""

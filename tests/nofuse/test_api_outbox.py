@@ -42,6 +42,22 @@ async def test_changes_leave_before_announcements_and_each_kind_has_its_due() ->
     assert box.count() == 0 and box.due == math.inf
 
 
+async def test_a_change_takes_the_persisted_state_from_an_older_announcement() -> None:
+    """An announcement leaves after the changes made later: its persisted state would
+    undo theirs. A file renamed within ANNOUNCE of its upload was taken as persisted
+    under its new name on every other host (its object was still under the old
+    one; reads there failed, and a listing saw the old name as a stray)."""
+    box = Outbox()
+    box.announce([pb.Entry(id="x", persisted_version=1, generation=7, holders=["a", "b"]),
+                  pb.Entry(id="other", persisted_version=1, generation=8)])
+    box.put([pb.Entry(id="x", name=b"y")])  # renamed: not persisted under its new name
+    out = box.take(5)
+    assert [e.id for e in out] == ["x", "x", "other"]
+    stale = out[1]
+    assert (stale.persisted_version, stale.generation, list(stale.holders)) == (0, 0, ["a", "b"])
+    assert (out[2].persisted_version, out[2].generation) == (1, 8)
+
+
 async def test_a_saves_files_and_their_replicas_announcements_share_batches(
         make_host) -> None:
     """8 files closed (no fsync) and replicated to a peer cost a few batches, not one
