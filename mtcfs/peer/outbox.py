@@ -37,16 +37,17 @@ class Outbox:
 
     def put(self, entries: list[pb.Entry]) -> None:
         """Queue changes for every host: they leave in a batch within GATHER."""
-        if self.announcements and entries:
-            # A waiting announcement of the same file is older than this change and
-            # leaves after it: its holders still merge (the same version), but its
-            # persisted state must not. A file renamed within ANNOUNCE of its upload
-            # was taken as persisted under its new name on every other host.
-            ids = {e.id for e in entries}
-            for a in self.announcements:
-                if a.id in ids:
-                    a.persisted_version = a.generation = 0
         self._queue(self.changes, entries, GATHER)
+
+    def supersede(self, ids: set[str]) -> None:
+        """This host changed these files since it announced copies of them: a waiting
+        announcement leaves after the change, and its persisted state, older, would
+        undo the change's (a file renamed within ANNOUNCE of its upload was taken as
+        persisted under its new name on every other host). Its holders still merge
+        (the same version)."""
+        for a in self.announcements:
+            if a.id in ids:
+                a.persisted_version = a.generation = 0
 
     def announce(self, entries: list[pb.Entry]) -> None:
         """Queue announcements of copies: they leave with the next batch, or in one of
