@@ -109,6 +109,10 @@ def entry_stamp(e: pb.Entry) -> tuple[int, str]:
     return (e.lamport, e.writer)
 
 
+def same_content(node: Inode, e: pb.Entry) -> bool:
+    return Versions.same_content(node, e.version, e.size, e.crc32c if e.has_crc else None)
+
+
 class DirectoryIds:
     """The ids a directory made at the same path on several hosts goes by: each other
     id (an alias) names our directory, and each of our directories knows its aliases
@@ -451,7 +455,7 @@ class ReplicatedIndex:
                 return True
             if stamp_of(node) == entry_stamp(e):
                 self._sync_links(node, e)  # e.g. a link's directory arrived meanwhile
-            if node.is_file and self._same_content(node, e):
+            if node.is_file and same_content(node, e):
                 return self._merge_holders(node, e)
             self.stats.ignored += 1
             return False
@@ -475,7 +479,7 @@ class ReplicatedIndex:
                 else:
                     self._take_name(parent, e.name, existing)
             self._move(node, self.ns.inodes[node.parent], node.name, parent, e.name)
-        if node.is_file and not self._same_content(node, e):
+        if node.is_file and not same_content(node, e):
             node = self._replace(node, e)
         else:
             self.hooks.attrs_changed(node)
@@ -522,10 +526,6 @@ class ReplicatedIndex:
             changed = True
         if changed:
             self.hooks.attrs_changed(node)  # nlink
-
-    @staticmethod
-    def _same_content(node: Inode, e: pb.Entry) -> bool:
-        return Versions.same_content(node, e.version, e.size, e.crc32c if e.has_crc else None)
 
     def _merge_holders(self, node: Inode, e: pb.Entry) -> bool:
         """Same version: holders merge as a set, and a persisted flag is taken."""
