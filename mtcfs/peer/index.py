@@ -192,7 +192,7 @@ class ReplicatedIndex:
                 self.recent.note(node.guid)
                 out.append(self.entry_of(node))
         if out:
-            self.outbox.supersede({e.id for e in out})
+            self.outbox.supersede(out)
             self.outbox.put(out)
 
     def removed(self, node: Inode) -> None:

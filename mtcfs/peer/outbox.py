@@ -39,12 +39,15 @@ class Outbox:
         """Queue changes for every host: they leave in a batch within GATHER."""
         self._queue(self.changes, entries, GATHER)
 
-    def supersede(self, ids: set[str]) -> None:
+    def supersede(self, entries: list[pb.Entry]) -> None:
         """This host changed these files since it announced copies of them: a waiting
         announcement leaves after the change, and its persisted state, older, would
         undo the change's (a file renamed within ANNOUNCE of its upload was taken as
         persisted under its new name on every other host). Its holders still merge
         (the same version)."""
+        if not self.announcements:
+            return  # (the common case: a local change costs nothing more)
+        ids = {e.id for e in entries}
         for a in self.announcements:
             if a.id in ids:
                 a.persisted_version = a.generation = 0

@@ -93,9 +93,8 @@ class ServerCopies:
         move its mover's copy should have made. Its writer makes it (again: the
         mover's pending copy may have died with it, a host replaced by an empty one;
         a second copy of a move still running is harmless)."""
-        if (node.persisted or not writes(self.node_id, node) or self.move_pending(node)
-                or obj.crc32c != node.crc32c or obj.size != node.size):
-            return
+        if node.persisted or not writes(self.node_id, node) or self.move_pending(node):
+            return  # (the listing matched obj to node by size and crc32c)
         path = self.ns.path_of(node)
         with self.ns.store.transaction():
             self.add(CopyJob(node.ino, path, obj.key, obj.generation, node.version, move=True))

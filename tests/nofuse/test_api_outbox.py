@@ -50,8 +50,9 @@ async def test_a_change_takes_the_persisted_state_from_an_older_announcement() -
     box = Outbox()
     box.announce([pb.Entry(id="x", persisted_version=1, generation=7, holders=["a", "b"]),
                   pb.Entry(id="other", persisted_version=1, generation=8)])
-    box.supersede({"x"})  # renamed here: not persisted under its new name
-    box.put([pb.Entry(id="x", name=b"y")])
+    renamed = [pb.Entry(id="x", name=b"y")]  # renamed here: not persisted under its new name
+    box.supersede(renamed)
+    box.put(renamed)
     out = box.take(5)
     assert [e.id for e in out] == ["x", "x", "other"]
     stale = out[1]
