@@ -64,6 +64,9 @@ KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its 
 RESEND = 0.1
 RESENDS = 3
 TREE_RETRY = 5.0  # then every 10 s
+# Seconds between checks that nothing waits in the outbox long past its time, and how
+# far past it (beyond BUSY_HOLD) counts as stuck: see _guard.
+GUARD = 2.0
 
 
 class Reply:
@@ -145,6 +148,7 @@ class Stats:
     acks_in_replies: int = 0  # acks that rode on a forward's reply
     acks_received_in_replies: int = 0
     send_errors: int = 0  # tree messages whose call failed
+    overdue_flushes: int = 0  # outbox entries the guard sent (see Broadcaster._guard)
 
 
 class Broadcaster:
@@ -179,6 +183,7 @@ class Broadcaster:
         self._acks_ready = trio.Event()
         self._flying = trio.Event()  # set when a batch may be in flight: retries to watch
         self._unsettled = False  # a batch applied since the kernel last settled
+        self._loop_at = "not started"  # where run() is (logged by _guard)
         self._counted: list[str] = []  # the hosts of the trees: sorted addresses
         self._counted_version = -1
         self._known: set[str] = set()  # the counted hosts as of the last kick
@@ -382,8 +387,11 @@ class Broadcaster:
             nursery.start_soon(self._send_acks)
             nursery.start_soon(self._retry)
             nursery.start_soon(self._carry)
+            nursery.start_soon(self._guard)
             while True:
+                self._loop_at = "waiting for changes"
                 await self.outbox.wait()
+                self._loop_at = "gathering"
                 # Let the changes made together gather until the first of them is due
                 # (mtcfs.peer.outbox), and while a batch of ours is on its way (up to
                 # BUSY_HOLD more): the busier the hosts, the slower a batch completes and
@@ -397,6 +405,23 @@ class Broadcaster:
                     if wait <= 0:
                         break
                     await self._changed(wait)
+                self._loop_at = "sending"
+                self._flush()
+
+    async def _guard(self) -> None:
+        """Sends what waits in the outbox long past its time, and says so: a change
+        that never leaves keeps every other host from seeing it and this host from
+        being quiet (replication never done, `mtcfs umount` waiting). The loop above
+        sends everything when due; this catches a path that left entries without
+        waking it, logging what waited so that the path can be found."""
+        while True:
+            await trio.sleep(GUARD)
+            late = self.outbox.overdue()
+            if late > BUSY_HOLD + GUARD:
+                self.stats.overdue_flushes += 1
+                log.warning("index changes waited %.1f s past their time to leave (%s, "
+                            "the sending loop %s); sent now", late, self.outbox.status(),
+                            self._loop_at)
                 self._flush()
 
     async def _changed(self, timeout: float) -> None:
@@ -501,6 +526,8 @@ class Broadcaster:
             "timeouts": s.timeouts,
             "last_timeout": s.last_timeout or None,
             "broadcast_queue": self.pending(),
+            "outbox": self.outbox.status(),
+            "overdue_flushes": s.overdue_flushes,
         }
 
     def tree_status(self) -> dict[str, object]:

@@ -78,6 +78,14 @@ class Outbox:
     def count(self) -> int:
         return len(self.changes) + len(self.announcements)
 
+    def overdue(self) -> float:
+        """Seconds past the time the waiting entries were due (0: none waiting)."""
+        return max(0.0, time.monotonic() - self.due) if self.count() else 0.0
+
+    def status(self) -> dict[str, object]:
+        return {"changes": len(self.changes), "announcements": len(self.announcements),
+                "overdue_seconds": round(self.overdue(), 3)}
+
     async def wait(self) -> None:
         """Until entries were put since the last wait."""
         await self._ready.wait()

@@ -108,3 +108,25 @@ async def test_the_holder_of_a_dead_writers_replica_announces_it_again(make_host
         h.mount.peers.peer_dead(p)
     await until(lambda: holder.mount.opts.node_id in holders(other, "f"),
                 what="the holder's announcement")
+
+
+async def test_entries_left_without_a_wake_leave_and_are_counted(make_host,
+                                                                 monkeypatch) -> None:
+    """The guard: a change that reached the outbox without waking the broadcaster (the
+    chaos smoke once saw entries wait there for over a minute, the host never quiet)
+    still reaches the other hosts, and the status counts it."""
+    from mtcfs.peer import dissemination
+    monkeypatch.setattr(dissemination, "GUARD", 0.2)
+    a, b = await cluster(make_host, 2)
+    a.mkdir("d")
+    await until(lambda: a.mount.peers.quiet() and b.exists("d"), what="d everywhere")
+    # What a lost wake looks like: a change waits, past its time, the loop asleep.
+    box = a.mount.peers.broadcaster.outbox
+    box.put = box.changes.extend
+    a.mkdir("d/e")
+    del box.put
+    box.due = time.monotonic() - 2.0
+    assert a.mount.peers.broadcaster.status()["outbox"]["changes"] == 1
+    await until(lambda: a.mount.peers.quiet(), what="the change sent by the guard")
+    assert a.mount.peers.broadcaster.stats.overdue_flushes == 1
+    await until(lambda: b.exists("d/e"), what="the change on b")

@@ -863,8 +863,11 @@ class Chaos:
                 elif p.get("catch_ups", {}).get("pending") or p.get("catch_ups", {}).get("owed"):
                     why[d.node_id] = f"catching up: {p['catch_ups']}"
                 elif not p["quiet"]:
+                    tree, vis = p.get("tree", {}), st.get("visibility", {})
                     why[d.node_id] = (f"replication not quiet ({p.get('replication_pending_bytes')}"
-                                      " bytes pending)")
+                                      f" bytes pending; outbox {vis.get('outbox')}, tree "
+                                      f"{tree.get('completed')}/{tree.get('published')} "
+                                      f"completed, in flight {tree.get('in_flight')})")
                 elif (du["queued_files"] or du["inflight_files"] or du["pending_deletes"]
                       or du.get("pending_copies")):
                     why[d.node_id] = (f"uploads: {du['queued_files']} queued, "
