@@ -403,7 +403,8 @@ def test_a_withdrawn_step_is_reinstated_once_its_lost_file_is_back_and_persisted
     try:
         wait_until(lambda: "step_1" in os.listdir(a.path), timeout=40, what="step 1 reinstated")
     except AssertionError:
-        # Seen twice in 22 runs under load, a silent for 40 s: what each host thinks.
+        # What each host thinks, should it fail again (it did when no pass was woken:
+        # tests/nofuse/test_api_withdrawal_wakes.py).
         for h in (a, b):
             for f in ("a0", "b0", "commit_success.txt.mtcfs-withdrawn"):
                 print(h.node_id, f, h.state(f"step_1.mtcfs-withdrawn/{f}"))

@@ -268,9 +268,20 @@ class Copies:
         node.generation = 0
 
     def in_bucket(self, node: Inode, generation: int) -> None:
-        """The bucket's object is this file's current version."""
+        """The bucket's object is this file's current version (a file made from the
+        listing: nothing waited for it)."""
         node.generation = generation
         node.persisted_version = node.version
+
+    def found_in_bucket(self, node: Inode, generation: int) -> None:
+        """A listing found this sealed file's bytes under its name: another host's
+        upload whose word has not come yet, or ours that landed just before a crash.
+        Announced like an upload: what waits for the file to be persisted (a step to
+        reinstate, a writer waiting for room, an fsync with --fsync gcs) must hear of
+        it, since the uploader's word, coming later, then changes nothing here."""
+        self.in_bucket(node, generation)
+        self._record(node)
+        self._events.persisted(node)
 
     # -- helpers -------------------------------------------------------------------------------
 

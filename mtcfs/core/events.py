@@ -57,7 +57,7 @@ class Listener:
 
     def persisted(self, node: Inode) -> None:
         """The durable tier holds the file's current version (this host uploaded or
-        copied it)."""
+        copied it, or its bucket listing found it there)."""
 
     def copies_changed(self, node: Inode, dropped: str = "") -> None:
         """A copy of the file's version came or went (`dropped`: this node id's copy

@@ -131,6 +131,12 @@ class Withdrawal(Listener):
         if dropped or self._watching() or self.lost(node):
             self._wake.set()
 
+    def persisted(self, node: Inode) -> None:
+        # (A lost file of a withdrawn step found in the bucket by this host's listing:
+        # its uploader's word of it then changes nothing here, and wakes nothing.)
+        if self._watching():
+            self._wake.set()
+
     def _note_names(self, nodes: list[Inode]) -> None:
         if self._candidates is not None:
             for n in nodes:

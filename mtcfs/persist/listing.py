@@ -146,7 +146,7 @@ class BucketListing:
             return node
         if node.state == CLOSED and node.crc32c == obj.crc32c and node.size == obj.size:
             # The same bytes (e.g. our upload landed just before a crash): adopt it.
-            self.copies.in_bucket(node, obj.generation)
+            self.copies.found_in_bucket(node, obj.generation)
         elif node.persisted and not node.opens:
             return self._replace(d, parts[-1], node, obj)
         else:

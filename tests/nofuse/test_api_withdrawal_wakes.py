@@ -17,6 +17,7 @@ import trio
 
 from mtcfs.absent import NoDurable
 from mtcfs.core.copies import Copies
+from mtcfs.core.events import Events
 from mtcfs.core.namespace import ROOT, Inode
 from mtcfs.core.steps import StepRules
 from mtcfs.lifecycle import withdrawal as wd
@@ -134,3 +135,41 @@ async def test_a_file_without_a_known_copy_waits_for_its_holders_word(tmp_path: 
     w._peers_changed_at -= wd.SETTLE
     await w.pass_once()
     assert withdrawn == [(b"step_1", [b"shard9"])]
+
+
+async def test_a_lost_file_the_listing_finds_in_the_bucket_wakes_the_pass(
+        tmp_path: Path) -> None:
+    """Two ways a file becomes persisted here woke no withdrawal pass: this host's
+    bucket listing finding its object (no event at all), and an upload of this
+    host's own (an event the withdrawal did not hear). When one of them came before
+    the uploader's word, that word changed nothing here and woke nothing either, so a
+    withdrawn step whose lost file was back and persisted waited for the next full
+    look, 60 s on. test_commit_safety's reinstatement test, which waits 40 s, failed
+    3 times in about 45 runs under load with the acting host running no pass after
+    the uploads: consistent with this, not shown to be it."""
+    store = simnet.IndexStore("h0", str(tmp_path / "h0"))
+    events = Events()
+    copies = store.index.copies = Copies("h0", ns=store.index.ns,
+                                         is_live=lambda h: h in LIVE, events=events)
+    w = Withdrawal(SimpleNamespace(ns=store.index.ns), copies,  # type: ignore[arg-type]
+                   NoDurable(), StepRules(), lambda: sorted(LIVE), lambda: 2, lambda h: 0.0,
+                   15.0)
+    events.register(w)
+    marker = simnet.entry("m1", "d1", "commit_success.txt" + SUFFIX, 2, "h1", size=1)
+    marker.persisted_version, marker.generation = 1, 7
+    applied(store, simnet.entry("d1", "root", "step_1", 1, "h1", is_dir=True), marker,
+            simnet.entry("f9", "d1", "shard9", 3, "h7", size=10))  # h7: not live
+    await w.pass_once()
+    ns = store.index.ns
+    f9 = ns.by_global_id("f9")
+    assert f9 is not None and copies.lost(f9) and w._lost_in  # withdrawn, f9 seen lost
+    woke(w)
+    copies.persisted(f9, 98, f9.version)  # an upload of this host's: wakes it too
+    assert woke(w)
+    f9.persisted_version = f9.generation = 0
+    copies.found_in_bucket(f9, 99)  # the listing: the object holds f9's bytes
+    assert woke(w)
+    await w.pass_once()
+    d1 = ns.child(ns.inodes[ROOT], b"step_1")
+    assert d1 is not None and d1.ino in w._recovering  # reinstated REINSTATE_AFTER on
+    assert w._wake_at <= trio.current_time() + wd.REINSTATE_AFTER
