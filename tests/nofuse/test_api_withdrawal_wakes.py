@@ -145,7 +145,7 @@ async def test_a_lost_file_the_listing_finds_in_the_bucket_wakes_the_pass(
     the uploader's word, that word changed nothing here and woke nothing either, so a
     withdrawn step whose lost file was back and persisted waited for the next full
     look, 60 s on. test_commit_safety's reinstatement test, which waits 40 s, failed
-    3 times in about 45 runs under load with the acting host running no pass after
+    4 times in 42 runs under load with the acting host running no pass after
     the uploads: consistent with this, not shown to be it."""
     store = simnet.IndexStore("h0", str(tmp_path / "h0"))
     events = Events()
