@@ -148,7 +148,7 @@ class Stats:
     acks_in_replies: int = 0  # acks that rode on a forward's reply
     acks_received_in_replies: int = 0
     send_errors: int = 0  # tree messages whose call failed
-    overdue_flushes: int = 0  # outbox entries the guard sent (see Broadcaster._guard)
+    overdue_flushes: int = 0  # times the guard sent overdue entries (Broadcaster._guard)
 
 
 class Broadcaster:

@@ -145,15 +145,14 @@ class BucketListing:
         if node.generation == obj.generation:
             return node
         if node.state == CLOSED and node.crc32c == obj.crc32c and node.size == obj.size:
-            # The same bytes (e.g. our upload landed just before a crash): adopt it.
+            # The same bytes (e.g. our upload landed just before a crash): adopt it
+            # (recorded by Copies).
             self.copies.found_in_bucket(node, obj.generation)
-        elif node.persisted and not node.opens:
-            return self._replace(d, parts[-1], node, obj)
-        else:
-            log.warning("bucket object %s differs from the local, unpersisted file: keeping "
-                        "the local one", obj.key)
             return node
-        self.ns.persist(node)
+        if node.persisted and not node.opens:
+            return self._replace(d, parts[-1], node, obj)
+        log.warning("bucket object %s differs from the local, unpersisted file: keeping "
+                    "the local one", obj.key)
         return node
 
     def _awaiting_move(self) -> dict[tuple[int, int], list[Inode]]:
