@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -418,9 +417,7 @@ class Broadcaster:
         while True:
             await trio.sleep(GUARD)
             late = self.outbox.overdue()
-            # (Entries with no due time at all: a chaos smoke's settle found
-            # announcements waiting so, the guard silent, for over 90 s.)
-            if late > BUSY_HOLD + GUARD or (self.outbox.count() and self.outbox.due == math.inf):
+            if late > BUSY_HOLD + GUARD:
                 self.stats.overdue_flushes += 1
                 log.warning("index changes waited %.1f s past their time to leave (%s, "
                             "the sending loop %s); sent now", late, self.outbox.status(),
