@@ -149,6 +149,19 @@ class DirectoryIds:
                 del self.merged[gid]
 
 
+def only_dropped(e: pb.Entry, dropped: str) -> pb.Entry:
+    """`e` made to say only that `dropped` no longer holds (or serves) its file, with no
+    holders or sources. A list of them would be the sender's view, perhaps older than
+    the receiver's that has already heard of a drop, and the sets merge: each host
+    told it holds what it had dropped answered with its own stale list, and hosts
+    that had all evicted a file kept naming each other a holder, an announcement a
+    second for ever (a chaos smoke never became quiet)."""
+    del e.holders[:]
+    del e.sources[:]
+    e.dropped.append(dropped)
+    return e
+
+
 class ReplicatedIndex:
     def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
                  copies: Copies | None = None, now: Callable[[], float] | None = None,
@@ -209,7 +222,7 @@ class ReplicatedIndex:
         as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
             self.recent.note(node.guid)
-            e = self.entry_of(node) if not dropped else self._dropped_entry(node, dropped)
+            e = self.entry_of(node) if not dropped else only_dropped(self.entry_of(node), dropped)
             (self.outbox.put if at_once else self.outbox.announce)([e])
 
     def announce_replicas_of(self, writer: str) -> None:
@@ -233,21 +246,8 @@ class ReplicatedIndex:
                 out.append(self.entry_of(d))
             d = self.ns.inodes.get(d.parent)
         self.recent.note(node.guid)
-        e = self.entry_of(node) if not dropped else self._dropped_entry(node, dropped)
+        e = self.entry_of(node) if not dropped else only_dropped(self.entry_of(node), dropped)
         self.outbox.put([*out[::-1], e])
-
-    def _dropped_entry(self, node: Inode, dropped: str) -> pb.Entry:
-        """`dropped` no longer holds (or serves) `node`: that alone, with no holders or
-        sources. A list of them would be this host's view, perhaps older than another's
-        that has already heard of a drop, and the sets merge: each host told it holds
-        what it had dropped answered with its own stale list, and hosts that had all
-        evicted a file kept naming each other a holder, an announcement a second for
-        ever (a chaos smoke never became quiet)."""
-        e = self.entry_of(node)
-        del e.holders[:]
-        del e.sources[:]
-        e.dropped.append(dropped)
-        return e
 
     def publish_ancestors(self, node: Inode) -> None:
         """Send `node`'s directories again where another host made them: a peer that
