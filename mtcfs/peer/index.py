@@ -222,6 +222,8 @@ class ReplicatedIndex:
         as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
             self.recent.note(node.guid)
+            if dropped:
+                self.outbox.dropped(node.guid, dropped)
             e = self.entry_of(node) if not dropped else only_dropped(self.entry_of(node), dropped)
             (self.outbox.put if at_once else self.outbox.announce)([e])
 
@@ -246,6 +248,8 @@ class ReplicatedIndex:
                 out.append(self.entry_of(d))
             d = self.ns.inodes.get(d.parent)
         self.recent.note(node.guid)
+        if dropped:
+            self.outbox.dropped(node.guid, dropped)
         e = self.entry_of(node) if not dropped else only_dropped(self.entry_of(node), dropped)
         self.outbox.put([*out[::-1], e])
 

@@ -52,6 +52,19 @@ class Outbox:
             if a.id in ids:
                 a.persisted_version = a.generation = 0
 
+    def dropped(self, gid: str, holder: str) -> None:
+        """`holder` (this host) no longer has `gid`'s copy: the entries still waiting
+        stop saying it does. Its drop is a change when the file is in the bucket, and
+        changes leave first: an announcement made just before (an upload landed, then
+        retention evicted the file within 0.1 s) would name it a holder again on every
+        other host, for good (no host asks it whether it still holds one)."""
+        for e in (*self.changes, *self.announcements):
+            if e.id == gid:
+                if holder in e.holders:
+                    e.holders.remove(holder)
+                if holder in e.sources:
+                    e.sources.remove(holder)
+
     def announce(self, entries: list[pb.Entry]) -> None:
         """Queue announcements of copies: they leave with the next batch, or in one of
         their own within ANNOUNCE."""

@@ -152,3 +152,22 @@ def test_a_host_named_a_holder_of_what_it_lacks_says_only_that(tmp_path: Path) -
         assert h.outbox.count() == 0  # nothing to answer in turn
     for h in (*hosts, new):
         h.close()
+
+
+@pytest.mark.parametrize("persisted", [False, True], ids=["in-ram", "persisted"])
+def test_an_announcement_waiting_when_its_host_drops_the_copy_does_not_name_it(
+        tmp_path: Path, persisted: bool) -> None:
+    """An upload lands (announced: it waits up to 1 s), then retention evicts the file
+    within 0.1 s. The drop of a file in the bucket is a change, and changes leave
+    before announcements: the announcement, still naming its host a holder, would
+    undo the drop everywhere and for good (a chaos run's replacement host asked h1
+    for a marker h1 had evicted 17 s before)."""
+    hosts = cluster(tmp_path, 3, persisted)
+    h0 = hosts[0]
+    node = h0.file("f1")
+    h0.store.index.holders_changed(node)  # (the upload's, or a replica's, announcement)
+    h0.store.index.copies.evicted(node)
+    rounds(hosts, None, 5)
+    assert [h.file("f1").holders for h in hosts] == [["h1", "h2"]] * 3
+    for h in hosts:
+        h.close()
