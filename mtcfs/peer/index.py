@@ -546,6 +546,8 @@ class ReplicatedIndex:
                                               e.generation, e.sources)
         if disowned:
             self.disowned.append(node)
+        for h in e.dropped:  # (what waits here to leave must not name it again)
+            self.outbox.dropped(node.guid, h)
         if changed:
             self.touched.append(node)
         return changed

@@ -171,3 +171,21 @@ def test_an_announcement_waiting_when_its_host_drops_the_copy_does_not_name_it(
     assert [h.file("f1").holders for h in hosts] == [["h1", "h2"]] * 3
     for h in hosts:
         h.close()
+
+
+def test_an_announcement_waiting_when_another_host_drops_does_not_name_it(
+        tmp_path: Path) -> None:
+    """h1's announcement (a replica it pushed landed) waits; h2's drop reaches h1 and
+    h0 first. When h1's announcement leaves, it must not give h2 back to h0."""
+    hosts = cluster(tmp_path, 3, persisted=False)
+    h0, h1, h2 = hosts
+    h1.store.index.holders_changed(h1.file("f1"))  # waits (ANNOUNCE)
+    h2.store.index.copies.evicted(h2.file("f1"))
+    drop = h2.outbox.take(1 << 20)
+    for h in (h0, h1):
+        h.remote.apply(list(drop))
+    assert h0.file("f1").holders == ["h0", "h1"]
+    h0.remote.apply(h1.outbox.take(1 << 20))
+    assert h0.file("f1").holders == ["h0", "h1"]
+    for h in hosts:
+        h.close()
