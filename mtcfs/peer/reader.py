@@ -22,6 +22,7 @@ from mtcfs.core.copies import Copies
 from mtcfs.core.namespace import Inode, Namespace
 from mtcfs.core.versions import MAX_SHARED_SIZE, local_only
 from mtcfs.peer import restore
+from mtcfs.peer.bulk import Remote
 from mtcfs.peer.datachannel import DataChannel
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.replicator import STALL_TIMEOUT, PeerSettings, Transfers
@@ -32,6 +33,11 @@ from mtcfs.tiers.durable import DurableTier
 from mtcfs.tiers.durable.base import chunk_plan
 
 log = logging.getLogger(__name__)
+
+
+# What a holder answers when it has no complete copy of the version asked for (it
+# evicted it, or never had it: another host's view of the holders can be stale).
+LACKS = ("FAILED_PRECONDITION", "NOT_FOUND")
 
 
 class _Progress:
@@ -201,13 +207,18 @@ class PeerReader:
                     raise PeerFetchError(5, "no peer could deliver it (" + errors[0] + ")"
                                          ) from None
                 # A holder that timed out on the data channel (stopped, or cut off) would
-                # time out over gRPC too: only the others are asked again.
+                # time out over gRPC too, and one that said it has no copy of this
+                # version would say it again: only the others are asked again.
                 stalled = {n for n, x in failed.items()
                            if isinstance(x, (TimeoutError, socket.timeout))}
-                peers = [p for p in peers if p.node_id not in stalled]
+                lacking = {n for n, x in failed.items()
+                           if isinstance(x, Remote) and x.code in LACKS}
+                peers = [p for p in peers if p.node_id not in stalled | lacking]
                 self.stats.error(f"fetching {self.ns.path_of(node)} over the data channel: {e}; "
                             "over gRPC instead" + (f" (not from {', '.join(sorted(stalled))}: "
-                                                   "no answer)" if stalled else ""))
+                                                   "no answer)" if stalled else "")
+                            + (f" (not from {', '.join(sorted(lacking))}: no copy there)"
+                               if lacking else ""))
             else:
                 self.stats.fetched_files += 1
                 self.stats.fetched_bytes += size

@@ -177,3 +177,22 @@ async def test_restore_sources_are_this_host_and_peers_with_a_data_channel(make_
     node.sources = ["a", "b", "gone"]
     c.mount.peers.members.by_node("b").data_port = 0  # no data channel there
     assert c.mount.peers.reader.restore_sources(node) == ["a", "c"]
+
+
+async def test_a_holder_that_says_it_has_no_copy_is_not_asked_again_over_grpc(
+        make_host, tmp_path: Path) -> None:
+    """b still lists a as a holder of a file a no longer has (a view can be a moment
+    stale): a's answer on the data channel, that it has no copy, is not asked for a
+    second time over gRPC; the bucket serves the read."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    a, b = await cluster(make_host, 2, replicas=0, bucket=f"file://{bucket}",
+                         persist="on-close")
+    data = os.urandom(300_000)
+    await a.write_file("f", data, fsync=True)
+    await until(lambda: a.node("f").persisted and b.node("f").persisted, what="persisted")
+    assert node_id(a) in b.node("f").holders
+    a.node("f").has_data = False  # (its drop not announced: b's view is stale)
+    assert await b.read_file("f") == data
+    assert list(await sources(b)) == [f"file://{bucket}"]
+    assert b.mount.peers.stats.fetch_failures == 1  # the data channel's, alone
