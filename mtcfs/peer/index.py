@@ -162,6 +162,19 @@ def only_dropped(e: pb.Entry, dropped: str) -> pb.Entry:
     return e
 
 
+def first_hand(e: pb.Entry, source: str) -> pb.Entry:
+    """`e` as `source`'s snapshot sends it: `source` knows whether it holds a copy, so a
+    persisted file's entry that does not name it says it has none, as a drop would.
+    Snapshot views merge as sets: without this, a host that missed a drop while it
+    was away or starting took the holder back from the snapshot, for good. (Only
+    persisted files: one whose holder came a moment after the snapshot was made
+    would be taken for lost elsewhere; a persisted one is never lost.)"""
+    if (e.version and e.persisted_version == e.version and source not in e.holders
+            and source not in e.sources and source not in e.dropped):
+        e.dropped.append(source)
+    return e
+
+
 class ReplicatedIndex:
     def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
                  copies: Copies | None = None, now: Callable[[], float] | None = None,

@@ -13,7 +13,7 @@ import trio
 
 from mtcfs.core.store import MetaStore
 from mtcfs.peer.catchup import Pulled
-from mtcfs.peer.index import applying_snapshot
+from mtcfs.peer.index import applying_snapshot, first_hand
 from mtcfs.peer.membership import Membership, Peer
 from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.remote import RemoteChanges
@@ -112,7 +112,7 @@ class SnapshotPuller:
                     for e in batch.entries:
                         try:
                             check_entry(e)
-                            good.append(e)
+                            good.append(first_hand(e, p.node_id) if p.node_id else e)
                         except BadRequest:
                             bad[0] += 1
                     trio.from_thread.run(send.send, good, trio_token=token)

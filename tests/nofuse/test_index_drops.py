@@ -18,7 +18,7 @@ import pytest
 from mtcfs.core.copies import Copies
 from mtcfs.core.events import Listener
 from mtcfs.core.namespace import Inode
-from mtcfs.peer.index import ReplicatedIndex
+from mtcfs.peer.index import ReplicatedIndex, first_hand
 from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.remote import RemoteChanges
 from mtcfs.peer.v1 import peer_pb2 as pb
@@ -187,5 +187,26 @@ def test_an_announcement_waiting_when_another_host_drops_does_not_name_it(
     assert h0.file("f1").holders == ["h0", "h1"]
     h0.remote.apply(h1.outbox.take(1 << 20))
     assert h0.file("f1").holders == ["h0", "h1"]
+    for h in hosts:
+        h.close()
+
+
+@pytest.mark.parametrize("persisted", [False, True], ids=["in-ram", "persisted"])
+def test_a_snapshot_says_whether_its_source_holds_a_copy(tmp_path: Path,
+                                                         persisted: bool) -> None:
+    """h1 missed h2's drop (it was starting); it then pulls h2's snapshot, whose entry
+    does not name h2 (mtcfs.peer.join applies each entry as first_hand). For a
+    persisted file h1 stops naming h2; an unpersisted one keeps the name until h2's
+    word comes (else a copy h2 got after its snapshot was made could look lost)."""
+    hosts = cluster(tmp_path, 3, persisted)
+    h0, h1, h2 = hosts
+    h2.store.index.copies.evicted(h2.file("f1"))
+    h2.outbox.take(1 << 20)  # (lost on its way to h1)
+    h1.remote.apply([first_hand(e, "h2") for e in h2.store.snapshot()])
+    assert h1.file("f1").holders == (["h0", "h1"] if persisted else ["h0", "h1", "h2"])
+    assert h1.outbox.count() == 0  # nothing to answer
+    # A snapshot of a source that holds the file changes nothing.
+    h1.remote.apply([first_hand(e, "h0") for e in h0.store.snapshot()])
+    assert "h0" in h1.file("f1").holders
     for h in hosts:
         h.close()
