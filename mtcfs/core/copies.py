@@ -218,6 +218,16 @@ class Copies:
         self._record(node)
         return True, disowned
 
+    def lacks(self, node: Inode, holder: str, version: int) -> None:
+        """`holder` answered that it has no complete copy of `version`: a persisted
+        file's view here stops naming it (its drop never reached this host, or came
+        back in a stale list). Recorded, not announced: its own word is what others
+        take. An unpersisted file keeps the name: the answer may be of a moment (a
+        replica still arriving), and a view short of a copy could make it look lost."""
+        if node.version == version and node.persisted and holder in node.holders:
+            node.holders.remove(holder)
+            self._record(node)
+
     def take_version(self, node: Inode, holders: Sequence[str], persisted_version: int,
                      generation: int, fresh: bool, sources: Sequence[str] = ()) -> bool:
         """Another host's version (fresh: new content; its data is not here). Returns

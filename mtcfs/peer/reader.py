@@ -213,6 +213,8 @@ class PeerReader:
                            if isinstance(x, (TimeoutError, socket.timeout))}
                 lacking = {n for n, x in failed.items()
                            if isinstance(x, Remote) and x.code in LACKS}
+                for n in lacking:
+                    self.copies.lacks(node, n, version)
                 peers = [p for p in peers if p.node_id not in stalled | lacking]
                 self.stats.error(f"fetching {self.ns.path_of(node)} over the data channel: {e}; "
                             "over gRPC instead" + (f" (not from {', '.join(sorted(stalled))}: "
@@ -236,6 +238,8 @@ class PeerReader:
                     self.stats.integrity_errors += 1
                 why = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
                        else str(e))
+                if isinstance(e, grpc.RpcError) and e.code().name in LACKS:
+                    self.copies.lacks(node, p.node_id, version)
                 errors.append(f"{p.node_id}: {why}")
                 self.stats.error(f"fetching {self.ns.path_of(node)} from {p.node_id}: {why}")
                 continue
