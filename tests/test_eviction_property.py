@@ -136,11 +136,17 @@ class Cluster(RuleBasedStateMachine):
 
     @rule(host=st.sampled_from(HOSTS), f=st.sampled_from(FILES))
     def read_through(self, host: str, f: str) -> None:
-        """A reader fetches a copy it knows of; the copy is cached, not announced."""
+        """A reader fetches a copy from a holder its view names (mtcfs.peer.reader asks
+        no one else) that has it, or from the bucket; the copy is cached, not
+        announced. (Before: from any copy anywhere, which a reader whose view named
+        only a host that had dropped it could not do; Hypothesis found a loss that
+        rested on that.)"""
         v = self.views[host][f]
         if host not in self.live or v.version != self.version[f] or v.has_data:
             return
-        if not self.is_available(f):
+        if not (self.bucket[f] == v.version
+                or any(h in self.live and self.data[h].get(f) == v.version
+                       for h in v.holders if h != host)):
             return
         self.data[host][f] = v.version
         self.copies(host).fetched(v)
