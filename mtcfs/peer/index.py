@@ -235,9 +235,9 @@ class ReplicatedIndex:
         as a set, so no new stamp is needed, and a removal travels as its own list."""
         if self.visible(node):
             self.recent.note(node.guid)
+            e = self.entry_of(node)
             if dropped:
-                self.outbox.dropped(node.guid, dropped)
-            e = self.entry_of(node) if not dropped else only_dropped(self.entry_of(node), dropped)
+                only_dropped(e, dropped)
             (self.outbox.put if at_once else self.outbox.announce)([e])
 
     def announce_replicas_of(self, writer: str) -> None:
@@ -261,9 +261,9 @@ class ReplicatedIndex:
                 out.append(self.entry_of(d))
             d = self.ns.inodes.get(d.parent)
         self.recent.note(node.guid)
+        e = self.entry_of(node)
         if dropped:
-            self.outbox.dropped(node.guid, dropped)
-        e = self.entry_of(node) if not dropped else only_dropped(self.entry_of(node), dropped)
+            only_dropped(e, dropped)
         self.outbox.put([*out[::-1], e])
 
     def publish_ancestors(self, node: Inode) -> None:

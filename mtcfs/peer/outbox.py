@@ -53,11 +53,12 @@ class Outbox:
                 a.persisted_version = a.generation = 0
 
     def dropped(self, gid: str, holder: str) -> None:
-        """`holder` (this host) no longer has `gid`'s copy: the entries still waiting
-        stop saying it does. Its drop is a change when the file is in the bucket, and
-        changes leave first: an announcement made just before (an upload landed, then
-        retention evicted the file within 0.1 s) would name it a holder again on every
-        other host, for good (no host asks it whether it still holds one)."""
+        """`holder` no longer has `gid`'s copy (this host's drop, queued here, or
+        another's, heard): the entries still waiting stop saying it does. This host's
+        drop is a change when the file is in the bucket, and changes leave first: an
+        announcement made just before (an upload landed, then retention evicted the
+        file within 0.1 s) would name it a holder again on every other host, for good
+        (no host asks it whether it still holds one)."""
         for e in (*self.changes, *self.announcements):
             if e.id == gid:
                 if holder in e.holders:
@@ -72,6 +73,9 @@ class Outbox:
 
     def _queue(self, into: list[pb.Entry], entries: list[pb.Entry], within: float) -> None:
         if entries:
+            for e in entries:
+                for h in e.dropped:
+                    self.dropped(e.id, h)
             into.extend(entries)
             self.due = min(self.due, time.monotonic() + within)
             self._ready.set()
