@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,16 @@ log = logging.getLogger(__name__)
 
 # Fetches a read of a good range tries before EIO when fetches fail elsewhere in the file.
 READ_ATTEMPTS = 4
+
+# A reader's open of a file that a step's read-ahead is bringing whole waits for it
+# (then reads it in RAM, through passthrough) when the rest is due within this many
+# seconds: the daemon's replies to each read and the fetch would share the cores.
+# A file due later (a slice of a large shard) is read as it arrives.
+STEP_OPEN_WAIT = 0.5
+# The rate assumed until a fetch of RATE_BYTES or more has been timed (bytes/s), and
+# how much a fetch must have moved before its own rate is trusted.
+ASSUMED_RATE = 1 << 30  # (a 10 Gbit/s link)
+RATE_BYTES = 16 << 20
 
 
 class PeerSource(Protocol):
@@ -78,6 +89,15 @@ class Fetch:
     # Where the last read that had to wait asked: fetched next, and on from there (a
     # ranged read of a large file is not served after everything before it).
     focus: int | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def eta(self, rate: float, now: float) -> float:
+        """Seconds until every byte is here: at this fetch's own rate once it has
+        moved RATE_BYTES, else at `rate` (bytes/s)."""
+        left = self.size - sum(e - s for s, e in self.ranges)
+        if self.bytes >= RATE_BYTES and now > self.started:
+            rate = self.bytes / (now - self.started)
+        return left / rate if rate > 0 else math.inf
 
     def add(self, off: int, length: int) -> None:
         self.bytes += length
@@ -171,6 +191,7 @@ class Fetcher(Listener):
         self._ahead: set[int] = set()
         # A step's files fetched because a reader opened one of them (step_ahead).
         self._stepping: set[int] = set()
+        self.rate: float = ASSUMED_RATE  # bytes/s of the last whole fetch timed
         self._step_limiter = trio.CapacityLimiter(parallel)
         self._tasks = _Tasks()  # the fetches' nursery, once run() has started
 
@@ -181,11 +202,21 @@ class Fetcher(Listener):
 
     fetching = busy
 
-    def ahead(self, node: Inode) -> bool:
-        """A whole-file fetch of it, asked for ahead of readers, is under way: an open
-        waits for it and then reads the file in RAM (passthrough) rather than read by
-        read through the daemon while it arrives."""
-        return node.ino in self._ahead and self.busy(node)
+    def open_wait(self, node: Inode) -> float | None:
+        """How long a reader's open of `node` (not here) waits for the whole file, to
+        read it in RAM (passthrough) rather than read by read through the daemon while
+        it arrives; None: it does not wait. A fetch asked for ahead of readers (a
+        prefetch, a replacement's restore) is waited for; one of a step's read-ahead,
+        when the rest is due within STEP_OPEN_WAIT (up to a few times that, should it
+        slow down)."""
+        if node.ino in self._ahead and self.busy(node):
+            return math.inf
+        if node.ino not in self._stepping:
+            return None
+        f = self.fetches.get(node.ino)
+        due = (f.eta(self.rate, time.monotonic()) if f is not None and f.error is None
+               else node.size / self.rate)
+        return 4 * due + 0.1 if due <= STEP_OPEN_WAIT else None
 
     async def fetch_ahead(self, node: Inode, limiter: trio.CapacityLimiter,
                           failed: dict[int, str]) -> None:
@@ -327,8 +358,11 @@ class Fetcher(Listener):
             for source, n in sources.items():
                 self.sources[source] = self.sources.get(source, 0) + n
             self.stats.durable_bytes += sources.get(self.tier.url, 0)
+            took = time.monotonic() - t0
             log.info("fetched %s from %s (%d bytes) in %.2f s", key, ", ".join(sources), node.size,
-                     time.monotonic() - t0)
+                     took)
+            if node.size >= RATE_BYTES and took > 0 and self.tier.url not in sources:
+                self.rate = node.size / took  # (from peers: what a step's read-ahead reads)
             f.finish()
         finally:
             os.close(fd)

@@ -303,6 +303,29 @@ def test_a_file_being_fetched_is_served_by_the_daemon_until_complete(make_cluste
     assert (b.path / "f").read_bytes() == data
     assert counts(b)["passthrough_opens"] > mid["passthrough_opens"]
 
+def test_the_files_of_a_step_read_ahead_are_read_in_ram(make_cluster):
+    """A load on b reads a's committed step file after file: its first open (the
+    marker) starts the step's read-ahead, and each shard's open then waits for the
+    shard whole (due well within STEP_OPEN_WAIT) and reads it through passthrough,
+    not read by read through b's daemon while it arrives."""
+    c = make_cluster(2, replicas=0)
+    a, b = c["a"], c["b"]
+    (a.path / "step_3").mkdir()
+    shards = {f"step_3/__{i}_0.distcp": blob(40 + i, 24 * MiB + i) for i in range(3)}
+    for rel, data in shards.items():
+        _write_on(a, rel, data)
+    _write_on(a, "step_3/.metadata", b"meta")  # the commit, last
+    before = counts(b)
+    assert (b.path / "step_3/.metadata").read_bytes() == b"meta"
+    for rel, data in shards.items():
+        assert (b.path / rel).read_bytes() == data
+    after = counts(b)
+    assert after["daemon_opens"] == before["daemon_opens"] + 1, (before, after)  # the marker
+    assert after["passthrough_opens"] == before["passthrough_opens"] + len(shards), (
+        before, after)
+    assert all(b.state(rel)["tiers"][0] == "ram" for rel in shards)
+
+
 def test_set_id_files_are_written_through_the_daemon(make_mount):
     """Their first unprivileged write must clear the bits: that write has to reach us."""
     m = make_mount(extra=("-o", "allow_other"))

@@ -315,12 +315,13 @@ class Filesystem(Listener):
                       "rewrite or remove it", self.ns.path_of(node))
             raise FsError(errno.EIO)
         elif not node.has_data:
-            if not writable and self.fetcher.ahead(node):
+            wait = None if writable else self.fetcher.open_wait(node)
+            if wait is not None:
                 # Being fetched whole ahead of readers (a replacement's restore, a
-                # prefetch): wait for it, then read it in RAM through passthrough, not
-                # read by read through the daemon while it arrives.
-                with contextlib.suppress(OSError):  # (else: the reads say why)
-                    await self.fetcher.wait_complete(node)
+                # prefetch, a step's read-ahead): wait for it, then read it in RAM
+                # through passthrough, not read by read through the daemon as it arrives.
+                with trio.move_on_after(wait), contextlib.suppress(OSError):
+                    await self.fetcher.wait_complete(node)  # (else: the reads say why)
             if not node.has_data:
                 # Start fetching now; reads wait for the ranges they need.
                 self.fetcher.start(node)
