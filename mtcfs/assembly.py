@@ -326,7 +326,7 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
                                 members.job_size, members.down_for, GONE_AFTER)
 
     # A replacement host pulls the copies the job counts on it for (none without peers).
-    restore = ReplacementRestore(ns, rules, fetcher, opts.node_id, opts.keep_steps,
+    restore = ReplacementRestore(ns, rules, fetcher, copies, opts.node_id, opts.keep_steps,
                                  peers.missing_copies)
 
     events.register(fs, lags, uploader, peers, fetcher, space, durability, retention,

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -105,3 +106,26 @@ def test_prefetch_restore_waits_for_the_background_restore(make_cluster):
     bad = subprocess.run([sys.executable, "-m", "mtcfs", "prefetch", str(new.path), "--restore",
                           "step_1"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "not both" in bad.stderr, bad.stderr
+
+
+def test_a_restored_copy_counts_again_and_is_restored_after_a_second_loss(make_cluster):
+    """What the restore brings back is the copy the job counted on this node id for,
+    not a cache copy: the other hosts list the replacement as a holder of each file
+    again, and when the replacement is lost too, the next one restores it all again."""
+    c = make_cluster(2, replicas=1)
+    crcs = saved_then_lost(c, 1)
+    for generation in (1, 2):
+        new = c.replace("a")
+        st = wait_until(lambda m=new: (r := m.status()["restore"])["state"] == "done" and r,
+                        120, interval=0.2, what=f"restore {generation} done")
+        assert st["files_done"] == len(crcs) and st["failed"] == 0, (generation, st)
+        assert {file_crc(p) for p in data_files(new.ram_dir)} >= set(crcs.values())
+        # Once both have sent what they had to say (the replacement's word that it
+        # lacked the files, then that it holds them again), and a moment for it to land:
+        for m in (new, c["b"]):
+            wait_until(lambda m=m: m.status()["peers"]["broadcast_queue"] == 0, 30,
+                       interval=0.1, what="nothing left to broadcast")
+        time.sleep(2)
+        for rel in crcs:
+            assert "node-a" in c["b"].state(rel)["holders"], (generation, rel, c["b"].state(rel))
+        c.kill9("a")

@@ -135,6 +135,17 @@ class Copies:
         self._record(node)
         self._events.fetched(node)
 
+    def restored(self, node: Inode) -> None:
+        """A replacement host's background restore brought back a copy the job listed
+        this host as holding (its own data, or a replica it held): a held copy again,
+        not a cache copy, and announced, so the job counts it as before the loss (and
+        a later replacement under this node id restores it again)."""
+        node.has_data = True
+        node.cached = False
+        self._hold(node)
+        self._record(node)
+        self._events.copies_changed(node)
+
     def restoring(self, node: Inode) -> None:
         """This host reads the persisted version through and serves its verified chunks
         to peers meanwhile (and the whole copy after): announced as a source."""

@@ -26,6 +26,7 @@ from mtcfs.core.namespace import CLOSED, Inode, Namespace
 from mtcfs.core.steps import StepRules, all_steps, files_under, step_number
 
 if TYPE_CHECKING:
+    from mtcfs.core.copies import Copies
     from mtcfs.fetch import Fetcher
 
 log = logging.getLogger(__name__)
@@ -35,12 +36,13 @@ class ReplacementRestore:
     """`missing`: the files this host is listed as holding without their data (the
     peer tier collects them while it applies snapshots; empty without peers)."""
 
-    def __init__(self, ns: Namespace, rules: StepRules, fetcher: Fetcher, node_id: str,
-                 keep_steps: int | None, missing: Callable[[], list[Inode]],
+    def __init__(self, ns: Namespace, rules: StepRules, fetcher: Fetcher, copies: Copies,
+                 node_id: str, keep_steps: int | None, missing: Callable[[], list[Inode]],
                  parallel: int = 4) -> None:
         self.ns = ns
         self.rules = rules
         self.fetcher = fetcher
+        self.copies = copies
         self.node_id = node_id
         self.keep_steps = keep_steps
         self.missing = missing
@@ -91,10 +93,16 @@ class ReplacementRestore:
         limiter = trio.CapacityLimiter(self.parallel)
 
         async def one(node: Inode) -> None:
+            version = node.version
             await self.fetcher.fetch_ahead(node, limiter, self.failed)
             if node.ino in self.failed:
                 log.warning("background restore: %s: %s", self.ns.path_of(node),
                             self.failed[node.ino])
+            elif (node.linked and node.has_data and node.cached and not node.dirty
+                  and node.version == version):
+                # The fetch keeps what it brings as a cache copy; this one is the
+                # copy the job counts on this host for (a replica, or its own).
+                self.copies.restored(node)
 
         async with trio.open_nursery() as nursery:
             for node in self.files:
