@@ -327,7 +327,7 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
 
     # A replacement host pulls the copies the job counts on it for (none without peers).
     restore = ReplacementRestore(ns, rules, fetcher, copies, opts.node_id, opts.keep_steps,
-                                 peers.missing_copies)
+                                 peers.missing_copies, peers.wait_applied)
 
     events.register(fs, lags, uploader, peers, fetcher, space, durability, retention,
                     withdrawal)

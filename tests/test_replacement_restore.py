@@ -111,7 +111,8 @@ def test_prefetch_restore_waits_for_the_background_restore(make_cluster):
 def test_a_restored_copy_counts_again_and_is_restored_after_a_second_loss(make_cluster):
     """What the restore brings back is the copy the job counted on this node id for,
     not a cache copy: the other hosts list the replacement as a holder of each file
-    again, and when the replacement is lost too, the next one restores it all again."""
+    again (by the time the restore says it is done), and when the replacement is lost
+    too, the next one restores it all again."""
     c = make_cluster(2, replicas=1)
     crcs = saved_then_lost(c, 1)
     for generation in (1, 2):
@@ -120,6 +121,9 @@ def test_a_restored_copy_counts_again_and_is_restored_after_a_second_loss(make_c
                         120, interval=0.2, what=f"restore {generation} done")
         assert st["files_done"] == len(crcs) and st["failed"] == 0, (generation, st)
         assert {file_crc(p) for p in data_files(new.ram_dir)} >= set(crcs.values())
+        # Done means counted: b has applied the replacement's word that it holds them.
+        for rel in crcs:
+            assert "node-a" in c["b"].state(rel)["holders"], (generation, rel, c["b"].state(rel))
         # Once both have sent what they had to say (the replacement's word that it
         # lacked the files, then that it holds them again), and a moment for it to land:
         for m in (new, c["b"]):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 
 class ReplacementRestore:
     """`missing`: the files this host is listed as holding without their data (the
-    peer tier collects them while it applies snapshots; empty without peers)."""
+    peer tier collects them while it applies snapshots; empty without peers);
+    `applied(what)`: returns once every live peer applied what this host published
+    (the commit rule's wait), so that a restore that says it is done is counted."""
 
     def __init__(self, ns: Namespace, rules: StepRules, fetcher: Fetcher, copies: Copies,
                  node_id: str, keep_steps: int | None, missing: Callable[[], list[Inode]],
-                 parallel: int = 4) -> None:
+                 applied: Callable[[str], Awaitable[list[str]]], parallel: int = 4) -> None:
         self.ns = ns
         self.rules = rules
         self.fetcher = fetcher
@@ -46,6 +48,7 @@ class ReplacementRestore:
         self.node_id = node_id
         self.keep_steps = keep_steps
         self.missing = missing
+        self.applied = applied
         self.parallel = parallel
         self.files: list[Inode] = []
         self.failed: dict[int, str] = {}
@@ -108,6 +111,10 @@ class ReplacementRestore:
             for node in self.files:
                 nursery.start_soon(one, node)
                 await trio.sleep(0)  # started in plan order: the newest step first
+        # Its copies counted on every live host before it says it is done: announced
+        # copies otherwise wait up to a second, and a host lost meanwhile takes them
+        # along (its replacement would find nothing to restore).
+        await self.applied("the background restore's copies")
         self.finished = time.monotonic()
         p = self.progress()
         log.info("background restore done: %d of %d files, %d bytes in %.1f s (%d failed)",
