@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -233,6 +234,103 @@ def group(ctx: Context) -> list[Row]:
         Row("bulk", f"replication of a closed {what} file with --peer-encryption: the push",
             "MiB/s", [x[5] for x in xs], min_ratio=0.5, **enc_ref),
     ]
+
+
+SHARDS = 8  # files of the replacement group's step
+
+
+def wait_restored(m: Any, want: int, timeout: float = 300) -> dict[str, Any]:
+    """The background restore's progress (`mtcfs status --json`) once it is done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = status(m)["restore"]
+        if r["state"] == "done":
+            if r["failed"] or r["bytes_done"] < want:
+                raise BenchError(f"{m.path}: the background restore did not get it all: {r}")
+            return r
+        if time.monotonic() > deadline:
+            raise BenchError(f"{m.path}: background restore not done after {timeout:.0f} s: {r}")
+        time.sleep(0.01)
+
+
+def replacement(ctx: Context) -> list[Row]:
+    """A replacement host's background restore of a step of 4 x --size: host a wrote
+    it (SHARDS files, then its commit marker; --replicas 1, so b holds a copy of each);
+    a is stopped and started again under its node id with an empty RAM dir, and
+    restores the step from b before anything asks for it. Timed by the restore's
+    own clock (`restore.seconds` in `mtcfs status --json`, from its first fetch to
+    its last); CPU per GiB of both daemons from the replacement's start to the end."""
+    size = 4 * ctx.size
+    shard = size // SHARDS
+    details: dict[str, Any] = {"size": size, "reps": ctx.reps, "code": code_version()}
+    cl = Cluster(ctx)
+    ref_src = ctx.ref_dir() / "sendfile-src"
+    ctx.io.write(ref_src, ctx.size, MiB, fsync=True)
+    ref_dest = ctx.scratch.huge_dir("ref") / "sendfile-dest"
+    gib = size / (1 << 30)
+    cpu: dict[str, list[float]] = {"holder": [], "replacement": []}
+    walls: list[float] = []
+    try:
+        a = cl.start("a", ["b"])
+        b = cl.start("b", ["a"])
+        for m in (a, b):
+            cl.wait_live(m, 1)
+        step = a.path / "step_1"
+        step.mkdir()
+        ctx.scratch.warm(2 * size)  # a's shards and b's replicas
+        names = [f"__{i}_0.distcp" for i in range(SHARDS)]
+        for name in names:
+            ctx.io.write(step / name, shard, MiB, fsync=True)
+        (step / ".metadata").write_bytes(b"meta")  # the commit, last
+        for name in names:
+            wait_replicated(step / name)
+        settle(a, b)
+        err.print(f"  host a wrote {_size(size)} in {SHARDS} files, b holds a replica of "
+                  f"each; a is replaced (empty RAM dir) per rep", style="dim")
+
+        def ours() -> float:
+            # Host a is lost (a clean unmount would tell b it left, with its copies).
+            old = cl.hosts["a"]
+            if old.pid is not None:
+                os.kill(old.pid, signal.SIGKILL)
+                while os.path.exists(f"/proc/{old.pid}"):
+                    time.sleep(0.01)
+            cl.stop("a")  # (detaches the dead mount, frees its RAM dir)
+            ctx.scratch.warm(size)  # the replacement's copies
+            cb = cpu_seconds(b.pid)
+            t0 = time.monotonic()
+            new = cl.start("a", ["b"])
+            ca = cpu_seconds(new.pid)  # (its start-up before that is not counted)
+            r = wait_restored(new, size)
+            walls.append(time.monotonic() - t0)
+            cpu["holder"].append((cpu_seconds(b.pid) - cb) / gib)
+            cpu["replacement"].append((cpu_seconds(new.pid) - ca) / gib)
+            for name in names:
+                if state(new.path / "step_1" / name)["tiers"][0] != "ram":
+                    raise BenchError(f"{name} is not in the replacement's RAM after its "
+                                     f"restore: {state(new.path / 'step_1' / name)}")
+            return mib_s(r["bytes_done"], r["seconds"])
+
+        def theirs() -> float:
+            ctx.scratch.warm(2 * ctx.size)
+            return mib_s(ctx.size, sendfile_stream(ref_src, ref_dest))
+
+        xs, ys = ctx.alternate(ours, theirs, label="background restore MiB/s")
+    finally:
+        ref_src.unlink(missing_ok=True)
+        for name in list(cl.hosts):
+            cl.stop(name)
+    details["replacement"] = {"restore_mib_s": xs, "sendfile_stream_mib_s": ys,
+                              "mount_to_restored_s": walls, "cpu_s_per_gib": cpu}
+    save_details(BENCH_DIR / "results" / "replacement.json", details)
+    med = {k: sorted(v)[len(v) // 2] for k, v in cpu.items() if v}
+    return [Row("replace", f"a replacement host's background restore of a {_size(size)} "
+                f"step ({SHARDS} files) from one holder", "MiB/s", xs, ref=ys,
+                ref_label="sendfile", min_ratio=0.7,
+                note=f"reference: sendfile() stream of {_size(ctx.size)} between two Python "
+                     f"processes on loopback into a huge-page tmpfs; CPU s/GiB (median): "
+                     f"holder {med.get('holder', 0):.2f}, replacement "
+                     f"{med.get('replacement', 0):.2f}")]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look without bench/run.py

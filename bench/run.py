@@ -94,6 +94,11 @@ GROUPS: dict[str, tuple[Group, str]] = {
         "torch DCP: a save of 4 ranks over 2 peered hosts and a resharded load on a third, "
         "empty host, vs the same ranks on one huge-page tmpfs directory",
     ),
+    "replace": (
+        bulk.replacement,
+        "a replacement host (same node id, empty RAM dir) restores a step of 4 x --size "
+        "from its holder in the background, vs a raw sendfile() stream",
+    ),
     "budget": (
         bulk.budget,
         "the data channel's CPU per GiB, step by step (read, AES-GMAC, AES-GCM, crc32c, "
