@@ -228,3 +228,23 @@ def test_every_metric_and_status_field_in_the_docs_exists(make_cluster, tmp_path
                if f not in paths and f not in NOT_STATUS_FIELDS}
     assert not missing, f"status fields the docs mention that status --json lacks: {missing}"
     assert set(status_field_mentions()) >= NOT_STATUS_FIELDS
+
+
+def test_the_benchmark_groups_in_the_docs_are_the_ones_there_are():
+    """docs/benchmarks.md lists `bench/run.py --only`'s groups: every one of them, and
+    no other."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    assert spec is not None and spec.loader is not None
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        run = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(run)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    listed = re.search(r"`bench/run\.py --help` lists them: ([^)]*)\)", text)
+    assert listed, "docs/benchmarks.md no longer lists the groups"
+    assert re.findall(r"`([a-z0-9-]+)`", listed.group(1)) == list(run.GROUPS)
