@@ -509,8 +509,8 @@ def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
     """Outcomes the random model run reaches only now and then, checked every time: a
     user's mkdir in a directory it cannot write (EACCES), its rename or unlink of
     another user's file in a sticky directory (EPERM), while its own files there move
-    and go, and its hard link to a file it may neither read nor write (EPERM, with
-    fs.protected_hardlinks)."""
+    and go and its mkdir there succeeds (owned by it), and its hard link to a file it
+    may neither read nor write (EPERM, with fs.protected_hardlinks)."""
     mnt = make_mount(extra=("-o", "allow_other"))
     p = mnt.path
     (p / "closed").mkdir(mode=0o755)
@@ -536,8 +536,11 @@ def test_a_user_is_refused_where_tmpfs_refuses(make_mount):
         "open('sticky/own', 'w').close()\n"
         "os.rename('sticky/own', 'sticky/own2')\n"
         "open('sticky/gone', 'w').close()\n"
-        "os.unlink('sticky/gone')\n"))
-    assert sorted(os.listdir(p / "sticky")) == ["own2", "roots"]
+        "os.unlink('sticky/gone')\n"
+        "os.mkdir('sticky/dir', 0o750)\n"))
+    assert sorted(os.listdir(p / "sticky")) == ["dir", "own2", "roots"]
+    st = os.stat(p / "sticky" / "dir")
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o750), st
     assert not (p / "closed" / "d").exists()
     assert (p / "sticky" / "roots").read_bytes() == b"root's"
 
