@@ -133,3 +133,25 @@ def test_a_restored_copy_counts_again_and_is_restored_after_a_second_loss(make_c
         for rel in crcs:
             assert "node-a" in c["b"].state(rel)["holders"], (generation, rel, c["b"].state(rel))
         c.kill9("a")
+
+
+def test_a_restore_is_done_once_the_other_hosts_count_its_copies(make_cluster):
+    """The restore says it is done only once every live peer has applied its word that
+    it holds the files again: a replacement lost right after that leaves them listed
+    as its, for the next one to restore. (Over gRPC, the slower path, and large
+    enough that the restore outlasts the second its start's "I lack them" may wait.)"""
+    c = make_cluster(2, replicas=1, extra=("--data-connections", "0"))
+    a = c["a"]
+    rels = [f"step_5/__{i}_0.distcp" for i in range(10)]  # 1.2-1.4 s to restore here
+    for i, rel in enumerate(rels):
+        write(a, rel, blob(500 + i, 128 * MiB))
+    write(a, "step_5/.metadata", b"meta")
+    for rel in rels:
+        replicated(a, rel, 1)
+    c.kill9("a")
+    new = c.replace("a")
+    st = wait_until(lambda: (r := new.status()["restore"])["state"] == "done" and r, 120,
+                    interval=0.02, what="the background restore done")
+    holders = {rel: c["b"].state(rel)["holders"] for rel in rels}  # at once
+    assert st["files_done"] == len(rels) + 1 and st["failed"] == 0, st
+    assert all("node-a" in h for h in holders.values()), holders
