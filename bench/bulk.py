@@ -46,6 +46,7 @@ from common import (
     code_version,
     cpu_seconds,
     err,
+    median,
     mib_s,
     save_details,
 )
@@ -59,6 +60,8 @@ from peers import (
     wait_replicated,
 )
 from ramtier import _size
+
+from mtcfs.config import process_alive
 
 DETAILS = BENCH_DIR / "results" / "bulk.json"
 
@@ -256,10 +259,11 @@ def wait_restored(m: Any, want: int, timeout: float = 300) -> dict[str, Any]:
 def replacement(ctx: Context) -> list[Row]:
     """A replacement host's background restore of a step of 4 x --size: host a wrote
     it (SHARDS files, then its commit marker; --replicas 1, so b holds a copy of each);
-    a is stopped and started again under its node id with an empty RAM dir, and
-    restores the step from b before anything asks for it. Timed by the restore's
-    own clock (`restore.seconds` in `mtcfs status --json`, from its first fetch to
-    its last); CPU per GiB of both daemons from the replacement's start to the end."""
+    per rep a's daemon is killed (-9) and a new one starts under its node id with an
+    empty RAM dir, which restores the step from b before anything asks for it. Timed
+    by the restore's own clock (`restore.seconds` in `mtcfs status --json`, from its
+    first fetch to its last); CPU per GiB of both daemons from the replacement's start
+    to the end."""
     size = 4 * ctx.size
     shard = size // SHARDS
     details: dict[str, Any] = {"size": size, "reps": ctx.reps, "code": code_version()}
@@ -293,7 +297,8 @@ def replacement(ctx: Context) -> list[Row]:
             old = cl.hosts["a"]
             if old.pid is not None:
                 os.kill(old.pid, signal.SIGKILL)
-                while os.path.exists(f"/proc/{old.pid}"):
+                deadline = time.monotonic() + 30
+                while process_alive(old.pid) and time.monotonic() < deadline:
                     time.sleep(0.01)
             cl.stop("a")  # (detaches the dead mount, frees its RAM dir)
             ctx.scratch.warm(size)  # the replacement's copies
@@ -323,7 +328,7 @@ def replacement(ctx: Context) -> list[Row]:
     details["replacement"] = {"restore_mib_s": xs, "sendfile_stream_mib_s": ys,
                               "mount_to_restored_s": walls, "cpu_s_per_gib": cpu}
     save_details(BENCH_DIR / "results" / "replacement.json", details)
-    med = {k: sorted(v)[len(v) // 2] for k, v in cpu.items() if v}
+    med = {k: median(v) for k, v in cpu.items() if v}
     return [Row("replace", f"a replacement host's background restore of a {_size(size)} "
                 f"step ({SHARDS} files) from one holder", "MiB/s", xs, ref=ys,
                 ref_label="sendfile", min_ratio=0.7,

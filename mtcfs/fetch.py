@@ -91,10 +91,14 @@ class Fetch:
     focus: int | None = None
     started: float = field(default_factory=time.monotonic)
 
+    def verified(self) -> int:
+        """Bytes verified and in the RAM file so far."""
+        return sum(e - s for s, e in self.ranges)
+
     def eta(self, rate: float, now: float) -> float:
         """Seconds until every byte is here: at this fetch's own rate once it has
         moved RATE_BYTES, else at `rate` (bytes/s)."""
-        left = self.size - sum(e - s for s, e in self.ranges)
+        left = self.size - self.verified()
         if self.bytes >= RATE_BYTES and now > self.started:
             rate = self.bytes / (now - self.started)
         return left / rate if rate > 0 else math.inf
@@ -406,7 +410,7 @@ class Fetcher(Listener):
         if node.has_data:
             return node.size
         f = self.fetches.get(node.ino)
-        return sum(e - s for s, e in f.ranges) if f is not None else 0
+        return f.verified() if f is not None else 0
 
     async def wait_range(self, node: Inode, off: int, size: int) -> None:
         end = min(off + size, node.size)
