@@ -58,7 +58,7 @@ SETTLE = 5.0  # s after every mount is live before the window opens
 RAM_SIZE = "64MiB"
 
 
-def start_cluster(scratch: Scratch, n: int, tag: str) -> list[Mount]:
+def start_cluster(scratch: Scratch, n: int, tag: str, peer_group: int = 0) -> list[Mount]:
     """n peered daemons on loopback, started at the same time; returns once all are
     live and every one sees the n - 1 others alive."""
     token = scratch.tmp / f"token-{tag}"
@@ -73,7 +73,8 @@ def start_cluster(scratch: Scratch, n: int, tag: str) -> list[Mount]:
         peers = ",".join(a for a in addrs if a != addr)
         args = ["--node-id", f"{tag}-{i}", "--listen", addr,
                 "--data-listen", f"127.0.0.1:{ports[n + i]}",
-                "--token-file", str(token), "--replicas", "1", "--log-level", "warning"]
+                "--token-file", str(token), "--replicas", "1", "--log-level", "warning",
+                "--peer-group", str(peer_group)]
         if peers:
             args += ["--peers", peers]
         ram = scratch.shm / f"ram-{tag}-{i}"
@@ -163,9 +164,25 @@ def rss_mib(mounts: list[Mount]) -> float:
     return median([proc_field(m.pid, "status", "VmRSS") / (1 << 20) for m in mounts])
 
 
+def leaders(mounts: list[Mount]) -> list[int]:
+    """Indexes of the daemons that lead a dissemination group (peers.tree.leader)."""
+    ids = [m.args[m.args.index("--node-id") + 1] for m in mounts]
+    addr = {m.args[m.args.index("--listen") + 1]: i for i, m in enumerate(mounts)}
+    named = {p["address"]: p["node_id"] for p in _status(mounts[0])["peers"]["peers"]}
+    out = set()
+    for m in mounts:
+        lead = _status(m)["peers"]["tree"].get("leader", "")
+        i = addr.get(lead)
+        if i is None and lead in named:
+            i = ids.index(named[lead])
+        if i is not None and lead != m.args[m.args.index("--listen") + 1]:
+            out.add(i)
+    return sorted(out)
+
+
 def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0,
-            save_every: float = 0.0) -> dict:
-    mounts = start_cluster(scratch, n, f"n{n}")
+            save_every: float = 0.0, peer_group: int = 0) -> dict:
+    mounts = start_cluster(scratch, n, f"n{n}", peer_group)
     try:
         time.sleep(SETTLE)
         pct = cpu_pct(mounts, seconds)
@@ -174,6 +191,12 @@ def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0,
                      "rss_mib_median": rss_mib(mounts)}
         if save_every:
             saving, steps = save_steps(mounts, seconds, save_every)
+            lead = leaders(mounts)
+            if lead:
+                out.update(leaders=len(lead),
+                           save_cpu_pct_leaders=median([saving[i] for i in lead]),
+                           save_cpu_pct_members=median([p for i, p in enumerate(saving)
+                                                        if i not in lead]))
             out.update(save_every_s=save_every, saves=steps, save_cpu_pct=saving,
                        save_cpu_pct_median=median(saving), save_cpu_pct_max=max(saving),
                        # CPU per daemon per save, beyond its idle CPU
@@ -222,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=float, default=0.0,
                    help="then a save on every host every this many seconds [0: none]")
     p.add_argument("--kill", type=int, default=0, help="then kill this many at once [0]")
+    p.add_argument("--peer-group", type=int, default=0,
+                   help="the daemons' --peer-group (hosts per dissemination group) [0: auto]")
     args = p.parse_args(argv)
     scratch = Scratch()
     try:
         for n in (int(h) for h in args.hosts.split(",")):
-            r = measure(scratch, n, args.seconds, args.kill, args.save_every)
+            r = measure(scratch, n, args.seconds, args.kill, args.save_every,
+                        args.peer_group)
             line = (f"{n} daemons: {r['cpu_pct_median']:.3f} % of a core per idle daemon "
                     f"(max {r['cpu_pct_max']:.3f}; goal <= {GOAL} %), "
                     f"RSS {r['rss_mib_median']:.0f} MiB")
@@ -234,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                 line += (f"; saving every {r['save_every_s']:g} s: "
                          f"{r['save_cpu_pct_median']:.3f} % (max {r['save_cpu_pct_max']:.3f}; "
                          f"goal <= {SAVE_GOAL} %), {r['save_cpu_ms']:.0f} CPU-ms per save")
+            if "leaders" in r:
+                line += (f"; the {r['leaders']} group leaders {r['save_cpu_pct_leaders']:.3f} %, "
+                         f"the others {r['save_cpu_pct_members']:.3f} % (medians)")
             if "detect_s" in r:
                 line += (f"; {r['killed']} killed: all dead everywhere in {r['detect_s']:.2f} s "
                          f"(survivors {r['catchup_cpu_pct_median']:.2f} % meanwhile)")

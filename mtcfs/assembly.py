@@ -288,7 +288,8 @@ def build(opts: MountOptions, store: MetaStore, ram: RamTier, kernel: KernelCach
             ns, ram, copies, events, kernel, members, clock, retired,
             PeerSettings(opts.node_id, opts.listen or "", replicas, secret=_secret(opts),
                          tls=_tls(opts), failure_domain=opts.failure_domain or "",
-                         commit_timeout=opts.commit_timeout, peer_group=opts.peer_group),
+                         commit_timeout=opts.commit_timeout, peer_group=opts.peer_group,
+                         peer_group_turn=opts.peer_group_turn),
             _data_channel(opts))
     uploader: Uploader | NoUploader = NoUploader()
     if opts.bucket:

@@ -100,9 +100,11 @@ class MountOptions:
     # The bulk data channel (mtcfs.peer.bulk): where it listens, connections per peer.
     data_listen: str | None = None
     data_connections: int = 4
-    # Hosts per group whose first host carries the group's index batches down one
+    # Hosts per group whose leader carries the group's index batches down one
     # tree (mtcfs.peer.grouped): 0 automatic (about sqrt(N) from 64 hosts), 1 none.
     peer_group: int = 0
+    # Another host of each group leads every this many seconds (0: the first, always).
+    peer_group_turn: float = 10.0
     # A reader's open of a file a peer holds waits this long for it to arrive whole
     # (then read through passthrough), else reads it as it arrives (0: at once).
     open_wait: float = 0.0
@@ -168,7 +170,7 @@ def _check_toml_type(path: str, key: str, name: str, value: object) -> None:
                   "peer_group"):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif name in ("incomplete_grace", "full_timeout", "fsync_timeout", "list_refresh",
-                  "commit_timeout", "open_wait"):
+                  "commit_timeout", "open_wait", "peer_group_turn"):
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         want = "a number of seconds"
     elif name == "ram_size":
@@ -362,6 +364,7 @@ def _validate_lifecycle(opts: MountOptions) -> None:
     _seconds(opts, "incomplete_grace", allow_zero=True)
     _seconds(opts, "full_timeout", allow_zero=True)
     _seconds(opts, "open_wait", allow_zero=True)
+    _seconds(opts, "peer_group_turn", allow_zero=True)
     _seconds(opts, "fsync_timeout")
     _seconds(opts, "commit_timeout")
     opts.visibility = _choice(opts.visibility, "fsync", VISIBILITY_MODES, "--visibility")

@@ -204,6 +204,8 @@ def test_bad_durable_options(tmp_path, ram_root, args, why):
     (("--listen", "127.0.0.1:7000", "--insecure", "--peer-group", "-1"), "invalid --peer-group"),
     (("--listen", "127.0.0.1:7000", "--insecure", "--peer-group", "5000"),
      "invalid --peer-group"),
+    (("--listen", "127.0.0.1:7000", "--insecure", "--peer-group-turn", "-1"),
+     "invalid --peer-group-turn"),
     (("--listen", "127.0.0.1:7000", "--insecure", "--tls-cert", "/etc/hostname"),
      "both --tls-cert and --tls-key"),
     (("--listen", "127.0.0.1:7000", "--insecure", "--peers-file", "/nonexistent"),

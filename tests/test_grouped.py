@@ -197,3 +197,42 @@ def test_a_bundles_tree_message_is_checked_before_it_is_applied() -> None:
         with pytest.raises(security.BadRequest):
             security.check_tree(m)
     security.check_tree(pb.TreeMessage(from_node="a:1", origin="a:1", seq=1, carried=[1, 2]))
+
+
+def test_the_lead_turns_among_a_groups_hosts_and_every_host_agrees_on_it() -> None:
+    """wall_turn: each period another host of each group leads, the same one on every
+    host of the group (drawn from the period's number: every host of a group of
+    four leads within 40 periods, and a period k later is not always the same
+    host); 0: the first host, always."""
+    now = [0.0]
+    ids = [f"h{i:02}" for i in range(12)]  # (sorted as strings: the live list's order)
+    hosts = {i: GroupedFanout(i, (lambda me: lambda: [x for x in ids if x != me])(i),
+                              lambda parts, bundle: None, group=4,
+                              turn=grouped.wall_turn(10.0, lambda: now[0]))
+             for i in ids}
+    groups = [ids[k:k + 4] for k in range(0, 12, 4)]
+    led: dict[int, set[str]] = {g: set() for g in range(3)}
+    every_fourth: set[str] = set()
+    for period in range(40):
+        now[0] = period * 10.0 + 3.0
+        for g, members in enumerate(groups):
+            seen = {hosts[m].leader() for m in members}
+            assert len(seen) == 1, (period, seen)
+            assert seen <= set(members)
+            led[g] |= seen
+        if period % 4 == 0:
+            every_fourth.add(hosts["h00"].leader())
+    assert all(led[g] == set(groups[g]) for g in led), led
+    assert len(every_fourth) > 1
+    fixed = GroupedFanout("h02", lambda: [x for x in ids if x != "h02"], lambda p, b: None,
+                          group=4, turn=grouped.wall_turn(0.0))
+    assert fixed.leader() == "h00"
+
+
+def test_a_group_cut_short_at_the_end_of_the_list_draws_among_its_own_hosts() -> None:
+    ids = [f"h{i}" for i in range(10)]  # groups of 4: h0-h3, h4-h7, and h8-h9
+    for turn in range(8):
+        leaders = {GroupedFanout(i, (lambda me: lambda: [x for x in ids if x != me])(i),
+                                 lambda p, b: None, group=4,
+                                 turn=lambda t=turn: t).leader() for i in ("h8", "h9")}
+        assert leaders == {("h8", "h9")[turn % 2]}

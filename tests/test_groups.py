@@ -1,6 +1,7 @@
 """Dissemination groups (--peer-group, mtcfs.peer.grouped) on real daemons: four
-FUSE mounts peered over gRPC on loopback, one group of four, so three hosts hand
-their index batches to the fourth (the first by address), which carries them
+FUSE mounts peered over gRPC on loopback, one group of four whose leader does not
+turn (--peer-group-turn 0), so three hosts hand their index batches to the fourth
+(the first by address), which carries them
 down its tree. A file fsynced on a member is listed on every host when fsync
 returns; with the leader killed (-9), a member's fsync still returns and its
 file reaches every live host, down the member's own tree."""
@@ -21,7 +22,7 @@ def fsync_write(path, data: bytes) -> None:
 
 
 def test_members_commit_through_their_leader_and_without_it(make_cluster) -> None:
-    c = make_cluster(4, replicas=1, extra=("--peer-group", "4"))
+    c = make_cluster(4, replicas=1, extra=("--peer-group", "4", "--peer-group-turn", "0"))
     names = "abcd"
     hosts = [c[n] for n in names]
     leaders = {h.status()["peers"]["tree"]["leader"] for h in hosts}

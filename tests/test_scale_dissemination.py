@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -400,3 +401,29 @@ def test_a_step_on_100_hosts_goes_down_one_tree_per_group_and_survives_dead_lead
     leaders = sorted({h.tree.leader() for h in hosts} - {"h0000"})[:2]
     second = step(2, leaders)
     assert second["own_trees"] >= 2 * 9 - 2, second  # their members' (a few may have left)
+
+
+@pytest.mark.parametrize("turn", [0.0, 10.0])
+def test_with_the_lead_turning_no_host_carries_more_than_its_share(turn: float) -> None:
+    """64 hosts in 8 groups save a step every 10 s, 16 times. A group's leader carries
+    its members' batches and is an inner host of the other leaders' trees: about 60
+    messages a save more than a member. With a fixed leader (--peer-group-turn 0)
+    the same 8 hosts send that every save; turning every 10 s, each host leads
+    about one save in eight, and no host sends much more than the median."""
+    net = simnet.cluster(64, seed=5, group_turn=turn)
+    net.loop.run_until(2.0)
+    hosts = list(net.hosts.values())
+    sent0 = {h.node: h.sent.messages for h in hosts}
+    saves = 16
+    for k in range(1, saves + 1):
+        net.loop.run_until(k * 10.0 + 2.0)
+        seqs = {h.node: h.publish(batch(h.node, simnet.entry(
+            f"s{k}-{h.node}", "root", f"{k}-{h.node}", k, h.node))) for h in hosts}
+        assert net.loop.run_until_true(
+            lambda s=seqs: all(h.tree.complete(s[h.node]) for h in hosts), 30.0) is not None
+    per_save = sorted((h.sent.messages - sent0[h.node]) / saves for h in hosts)
+    median, most = per_save[len(per_save) // 2], per_save[-1]
+    if turn:
+        assert most < median + 15, (median, most)
+    else:  # the contrast: the 8 fixed leaders
+        assert per_save[-8] > median + 40, (median, per_save[-8:])

@@ -61,9 +61,12 @@ from mtcfs.config import (
 @click.option("--data-connections", type=int, metavar="N",
               help="bulk data connections per peer (0: file bytes over gRPC)  [default: 4]")
 @click.option("--peer-group", type=int, metavar="N",
-              help="hosts per group whose first host carries the group's index changes "
+              help="hosts per group whose leader carries the group's index changes "
                    "down one tree (0: automatic, about the square root of the hosts from "
                    "64 on; 1: every host its own tree)  [default: 0]")
+@click.option("--peer-group-turn", type=float, metavar="SECONDS",
+              help="another host of each group leads every SECONDS, by the wall clock the "
+                   "hosts share (0: the group's first live host, always)  [default: 10]")
 @click.option("--open-wait", type=float, metavar="SECONDS",
               help="a reader's open of a file held by a peer waits up to SECONDS for it to "
                    "arrive whole, then reads it in RAM (passthrough): faster whole-file "

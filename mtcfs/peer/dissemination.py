@@ -154,12 +154,14 @@ class Stats:
 class Broadcaster:
     def __init__(self, members: Membership, node_id: str, index: Clocked, outbox: Outbox,
                  calls: TreeCalls, inbox: Inbox, kernel: Settles, commit_timeout: float,
-                 degree: int | None = None, group: int = 0) -> None:
+                 degree: int | None = None, group: int = 0,
+                 turn: Callable[[], int] = grouped.no_turn) -> None:
         """`outbox`: this host's changes waiting to go (the index puts them there);
         `calls`: one message to one host; `inbox`: another host's batch applied here;
         `kernel`: settled before an ack says "applied here"; `group`: hosts per
         group whose leader carries their batches (mtcfs.peer.grouped; 0: its
-        choice, 1: every batch down a tree of its writer's own)."""
+        choice, 1: every batch down a tree of its writer's own); `turn`: which
+        host of a group leads (grouped.wall_turn)."""
         self.members = members
         self.node_id = node_id
         self.index = index
@@ -171,7 +173,7 @@ class Broadcaster:
         self.stats = Stats()
         # Numbered from the start time in µs: never a number of a previous life's.
         self.tree = grouped.GroupedFanout(members.me, self.counted, self._apply,
-                                          group=group, fanout=degree or DEGREE,
+                                          group=group, fanout=degree or DEGREE, turn=turn,
                                           retry=TREE_RETRY, max_backoff=1,
                                           first_seq=time.time_ns() // 1000)
         self._nursery: list[trio.Nursery] = []  # where resends run, once it runs

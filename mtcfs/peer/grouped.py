@@ -16,6 +16,14 @@ forwards and acks about sqrt(N) of them. The writer's commit rule is
 unchanged: a batch is complete once every host live in the trees' views
 applied it (the leader is the tree's writer, as any router is its range's).
 
+Which host of a group leads turns with the wall clock (`wall_turn`: every
+--peer-group-turn seconds another, picked the same way on every host from the
+period's number, which hosts share through NTP): a leader forwards and acks
+about three times a member's messages per save (it carries its members'
+batches and is an inner host of the other groups' trees), so a fixed first
+host would carry that for the whole job. A host whose clock is off by a
+moment at a turn only makes one more tree.
+
 The leader is only a hint: any host carries what it is handed, so hosts whose
 views differ for a moment (a death not seen everywhere yet) only make more
 trees, never lose a batch. A batch whose leader is declared dead or
@@ -33,6 +41,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +124,23 @@ class Counters:
     own_trees: int = 0  # batches that went down a tree of their writer's own (fallback)
 
 
+def no_turn() -> int:
+    """The group's first live host leads, always."""
+    return 0
+
+
+def wall_turn(period: float, clock: Callable[[], float] = time.time) -> Callable[[], int]:
+    """Whose turn it is to lead, the same on every host whose clock agrees: a number
+    drawn from the `period`'s index (so that saves every k periods do not meet the
+    same leader each time); period 0: no_turn."""
+    if period <= 0:
+        return no_turn
+
+    def turn() -> int:
+        return zlib.crc32(int(clock() // period).to_bytes(8, "little", signed=True))
+    return turn
+
+
 def group_size(hosts: int, group: int = 0) -> int:
     """Hosts per group: `group` if set (1: no groups), else sqrt(N) from RELAY_FROM."""
     if group > 0:
@@ -125,8 +152,10 @@ class GroupedFanout:
     def __init__(self, me: str, live: Callable[[], Sequence[str]],
                  deliver: Callable[[Sequence[Part], Bundle | None], None], *,
                  group: int = 0, fanout: int = fanout.FANOUT, retry: float = fanout.RETRY,
-                 first_seq: int = 0, max_backoff: int = 4) -> None:
-        """As fanout.Fanout; `deliver(parts, bundle)`: apply other hosts' batches here,
+                 first_seq: int = 0, max_backoff: int = 4,
+                 turn: Callable[[], int] = no_turn) -> None:
+        """As fanout.Fanout; `turn`: which host of a group leads (wall_turn);
+        `deliver(parts, bundle)`: apply other hosts' batches here,
         those of a tree's bundle (`bundle.parts` itself unless this host's own is
         left out), or one handed over (bundle None); each once, unless it came
         down two trees. `group`: hosts per group (0: group_size's choice)."""
@@ -134,6 +163,7 @@ class GroupedFanout:
         self.live = live
         self.deliver = deliver
         self.group = group
+        self.turn = turn
         self.retry = retry  # a hand-over not answered is sent again after this (backing off)
         self.tree = Fanout(me, live, self._deliver_bundle, fanout=fanout, retry=retry,
                            first_seq=first_seq, max_backoff=max_backoff)
@@ -153,14 +183,19 @@ class GroupedFanout:
     # -- groups ------------------------------------------------------------------------
 
     def leader(self) -> str:
-        """The first host of this host's group in the sorted list of live hosts."""
+        """The host of this host's group (`group` consecutive hosts of the sorted list
+        of live hosts) whose turn it is."""
         ids = self.live()
-        g = group_size(len(ids) + 1, self.group)
+        n = len(ids) + 1
+        g = group_size(n, self.group)
         if g <= 1:
             return self.me
         at = bisect.bisect_left(ids, self.me)  # this host's place among all
         first = at - at % g
-        return self.me if first == at else ids[first]
+        lead = first + self.turn() % min(g, n - first)
+        if lead == at:
+            return self.me
+        return ids[lead] if lead < at else ids[lead - 1]
 
     # -- the writer --------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class PeerSettings:
     failure_domain: str = ""
     commit_timeout: float = 10.0
     peer_group: int = 0  # hosts per dissemination group (mtcfs.peer.grouped; 0: auto)
+    peer_group_turn: float = 0.0  # seconds each host of a group leads (0: the first, always)
 
 
 @dataclass(frozen=True)

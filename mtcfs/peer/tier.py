@@ -33,6 +33,7 @@ from mtcfs.core.namespace import Inode, Namespace
 from mtcfs.core.retired import RetiredSteps
 from mtcfs.fs.kernel import KernelCache
 from mtcfs.fs.writeclock import WriteClock
+from mtcfs.peer import grouped
 from mtcfs.peer.catchup import CatchUps, Markers
 from mtcfs.peer.datachannel import DataChannel
 from mtcfs.peer.dissemination import BROADCAST_TIMEOUT, Broadcaster, TreeCalls
@@ -278,7 +279,8 @@ def build_peer_tier(ns: Namespace, ram: RamTier, copies: Copies, events: Listene
     markers = Markers()  # the inbox puts, CatchUps takes
     broadcaster = Broadcaster(members, node_id, index, outbox, TreeCalls(members),
                               Inbox(remote, markers, stats), kernel, settings.commit_timeout,
-                              group=settings.peer_group)
+                              group=settings.peer_group,
+                              turn=grouped.wall_turn(settings.peer_group_turn))
     later = LaterRows(ns.store)
     puller = SnapshotPuller(members, remote, outbox, stats, settings, transfers, later)
     # Peers found dead since we started, caught up with once they are back.

@@ -1,7 +1,7 @@
 """A group's leader carries its members' index batches down one tree (mtcfs.peer.grouped),
 in the daemon's peer tier, in-process: six hosts in one trio loop over gRPC on
-loopback with --peer-group 3, so the 1st and the 4th host (by address) lead a
-group of three each. A member's commit is on every host when it returns, as
+loopback with --peer-group 3 and --peer-group-turn 0, so the 1st and the 4th
+host (by address) lead a group of three each. A member's commit is on every host when it returns, as
 with a tree of its own; a leader that dies leaves its members' batches to go
 down trees of their own."""
 
@@ -21,7 +21,7 @@ HOSTS = 6
 
 async def cluster(make_host) -> list[Host]:
     """Six hosts, in the sorted order of their addresses: groups of three."""
-    return await sorted_cluster(make_host, HOSTS, peer_group=3)
+    return await sorted_cluster(make_host, HOSTS, peer_group=3, peer_group_turn=0)
 
 
 async def test_a_members_commit_is_on_every_host_through_its_leader(make_host) -> None:

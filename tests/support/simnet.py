@@ -258,6 +258,7 @@ class SimHost:
     config: swim.SwimConfig | None = None
     fanout_degree: int = fanout.FANOUT
     group: int = 0  # hosts per dissemination group (grouped.group_size; 0: its choice)
+    group_turn: float = 0.0  # seconds each host of a group leads (0: the first, always)
     cpu: float = 0.0  # thread CPU seconds in this host's code
     sent: Traffic = field(default_factory=Traffic)
     received: Traffic = field(default_factory=Traffic)
@@ -277,7 +278,9 @@ class SimHost:
         self.swim = swim.Swim(self.node, self.members, self, self.net.rng, self.config,
                               partners=self._partners, now=loop.now)
         self.tree = grouped.GroupedFanout(self.node, self.swim.live, self._deliver,
-                                          group=self.group, fanout=self.fanout_degree)
+                                          group=self.group, fanout=self.fanout_degree,
+                                          turn=grouped.wall_turn(self.group_turn,
+                                                                 lambda: loop.now))
         self._out: list[tuple[str, object]] = []
         self._flush_at: float | None = None  # when a leader's gathered batches leave
         self._ring_at = self.ring.index(self.node)
@@ -480,9 +483,11 @@ def node_ids(n: int) -> list[str]:
 
 def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[str] = (),
             root: str | None = None, config: swim.SwimConfig | None = None,
-            replicas: int = 1, fanout_degree: int = fanout.FANOUT, group: int = 0) -> Net:
+            replicas: int = 1, fanout_degree: int = fanout.FANOUT, group: int = 0,
+            group_turn: float = 0.0) -> Net:
     """n hosts, all alive, each knowing every other (as from --peers); the hosts of
-    `real_index` run the real replicated index (under `root`), the rest a CompactStore."""
+    `real_index` run the real replicated index (under `root`), the rest a CompactStore;
+    `group_turn`: --peer-group-turn, on the simulated clock."""
     loop = Loop()
     net = Net(loop, random.Random(seed), loss=loss)
     ids = node_ids(n)
@@ -494,7 +499,8 @@ def cluster(n: int, *, seed: int = 0, loss: float = 0.0, real_index: Iterable[st
         store: Store = (IndexStore(i, os.path.join(root or "", i)) if i in real
                         else CompactStore(net.ledger, i))
         net.hosts[i] = SimHost(i, net, store, ids, ring, replicas=replicas, config=config,
-                               fanout_degree=fanout_degree, group=group)
+                               fanout_degree=fanout_degree, group=group,
+                               group_turn=group_turn)
     return net
 
 
