@@ -59,6 +59,7 @@ import os
 import queue
 import random
 import re
+import shlex
 import shutil
 import signal
 import struct
@@ -127,6 +128,7 @@ class Config:
     log_level: str = "info"
     data_path: str = "auto"
     huge_pages: str = "auto"  # always: seals and transfers go through mappings
+    mount_args: tuple[str, ...] = ()  # more `mtcfs mount` options for every daemon
     quiet: bool = False
 
     @property
@@ -245,7 +247,7 @@ class Daemon:
                 "--keep-steps", str(cfg.keep_steps), "--fsync", cfg.fsync,
                 "--fsync-timeout", str(cfg.fsync_timeout),
                 "--commit-timeout", str(cfg.commit_timeout), "--data-path", cfg.data_path,
-                "--huge-pages", cfg.huge_pages]
+                "--huge-pages", cfg.huge_pages, *cfg.mount_args]
 
     def spawn(self) -> int:
         """Start a daemon; returns the log offset its lines start at."""
@@ -1362,6 +1364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--huge-pages", choices=("auto", "always", "never"), default="auto",
                     help="the daemons' RAM tiers (always: seal passes and data-channel "
                          "transfers go through mappings of the files)")
+    ap.add_argument("--mount-args", default="",
+                    help="more `mtcfs mount` options for every daemon, e.g. "
+                         "'--peer-group 3 --peer-group-turn 2'")
     ap.add_argument("--workdir", type=Path, help="logs and results (default /tmp/mtcfs-chaos-*)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -1375,7 +1380,7 @@ def main(argv: list[str] | None = None) -> int:
                  shard_kib=a.shard_kib, step_interval=a.step_interval,
                  fault_every=a.fault_every, max_host_faults=a.max_host_faults,
                  weights=weights, data_path=a.data_path, quiet=a.quiet,
-                 huge_pages=a.huge_pages)
+                 huge_pages=a.huge_pages, mount_args=tuple(shlex.split(a.mount_args)))
     return 0 if run(cfg, a.workdir)["ok"] else 1
 
 
