@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import trio
 
 from support.inprocess import Host
 from support.peercluster import silence, sorted_cluster, tree
@@ -74,3 +75,30 @@ async def test_a_dead_leaders_members_send_their_batches_down_their_own_trees(
     await member.write_file("after/g", b"3", fsync=True)
     assert all(h.exists("after/g") for h in hosts if h is not leader)
     assert tree(member)["leader"] == member.mount.opts.listen
+
+
+async def test_with_the_lead_turning_commits_reach_every_host_and_several_hosts_lead(
+        make_host) -> None:
+    """--peer-group-turn 0.2: the lead of each group of three changes while its hosts
+    commit, one after the other, for about 3 s. Each fsync returns with its file on
+    every host; the hand-overs meet whichever host leads at the time, and several
+    hosts of each group carry others' batches."""
+    hosts = await sorted_cluster(make_host, HOSTS, peer_group=3, peer_group_turn=0.2)
+    hosts[0].makedirs("step_1")
+    leaders: set[str] = set()
+    before = {h.mount.opts.node_id: tree(h)["carried_for_others"] for h in hosts}
+    start = time.monotonic()
+    k = 0
+    while time.monotonic() - start < 3.0 or k < 12:
+        h = hosts[k % HOSTS]
+        leaders |= {tree(x)["leader"] for x in hosts}
+        await h.write_file(f"step_1/shard-{k}", b"x" * (k + 1), fsync=True)
+        for other in hosts:
+            assert other.state(f"step_1/shard-{k}")["size"] == k + 1, (k, other.mount.opts.node_id)
+        k += 1
+        await trio.sleep(0.03)
+    carried = {n for n, c in ((h.mount.opts.node_id, tree(h)["carried_for_others"])
+                              for h in hosts) if c > before[n]}
+    assert len(leaders) >= 4, leaders  # (6 hosts: at most 6; fixed, it would be 2)
+    assert len(carried) >= 3, carried
+    assert all(tree(h)["in_flight"] == 0 for h in hosts)
