@@ -91,6 +91,10 @@ def start_cluster(scratch: Scratch, n: int, tag: str, peer_group: int = 0) -> li
     return mounts
 
 
+def _arg(m: Mount, flag: str) -> str:
+    return m.args[m.args.index(flag) + 1]
+
+
 def _status(m: Mount) -> dict:
     return control.request(str(m.path), "status")["status"]
 
@@ -124,7 +128,7 @@ def save_steps(mounts: list[Mount], seconds: float, every: float) -> tuple[list[
     def save(m: Mount, step: int) -> None:
         d = m.path / f"step_{step}"
         d.mkdir(exist_ok=True)
-        host = m.args[m.args.index("--node-id") + 1]
+        host = _arg(m, "--node-id")
         for k in range(SAVE_FILES):
             (d / f"{host}-{k}.distcp").write_bytes(payload)
 
@@ -144,7 +148,7 @@ def kill_and_detect(mounts: list[Mount], k: int) -> tuple[float, list[float]]:
     """SIGKILL k daemons at once; seconds until every survivor shows them all dead,
     and the survivors' CPU (% of a core) over that time."""
     victims, survivors = mounts[-k:], mounts[:-k]
-    ids = {m.args[m.args.index("--node-id") + 1] for m in victims}
+    ids = {_arg(m, "--node-id") for m in victims}
     before = [cpu_seconds(m.pid) for m in survivors]
     t0 = time.monotonic()
     for m in victims:
@@ -165,19 +169,16 @@ def rss_mib(mounts: list[Mount]) -> float:
 
 
 def leaders(mounts: list[Mount]) -> list[int]:
-    """Indexes of the daemons that lead a dissemination group (peers.tree.leader)."""
-    ids = [m.args[m.args.index("--node-id") + 1] for m in mounts]
-    addr = {m.args[m.args.index("--listen") + 1]: i for i, m in enumerate(mounts)}
-    named = {p["address"]: p["node_id"] for p in _status(mounts[0])["peers"]["peers"]}
-    out = set()
+    """Indexes of the daemons that another daemon names as its group's leader at the
+    time of asking (peers.tree.leader: an address; the lead may turn, see
+    --peer-group-turn). Without groups every daemon names itself: none."""
+    at = {_arg(m, "--listen"): i for i, m in enumerate(mounts)}
+    named = set()
     for m in mounts:
         lead = _status(m)["peers"]["tree"].get("leader", "")
-        i = addr.get(lead)
-        if i is None and lead in named:
-            i = ids.index(named[lead])
-        if i is not None and lead != m.args[m.args.index("--listen") + 1]:
-            out.add(i)
-    return sorted(out)
+        if lead != _arg(m, "--listen"):
+            named.add(lead)
+    return sorted(at[a] for a in named if a in at)
 
 
 def measure(scratch: Scratch, n: int, seconds: float, kill: int = 0,
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['save_cpu_pct_median']:.3f} % (max {r['save_cpu_pct_max']:.3f}; "
                          f"goal <= {SAVE_GOAL} %), {r['save_cpu_ms']:.0f} CPU-ms per save")
             if "leaders" in r:
-                line += (f"; the {r['leaders']} group leaders {r['save_cpu_pct_leaders']:.3f} %, "
+                line += (f"; the {r['leaders']} leading at the end "
+                         f"{r['save_cpu_pct_leaders']:.3f} %, "
                          f"the others {r['save_cpu_pct_members']:.3f} % (medians)")
             if "detect_s" in r:
                 line += (f"; {r['killed']} killed: all dead everywhere in {r['detect_s']:.2f} s "

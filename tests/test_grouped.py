@@ -199,6 +199,10 @@ def test_a_bundles_tree_message_is_checked_before_it_is_applied() -> None:
     security.check_tree(pb.TreeMessage(from_node="a:1", origin="a:1", seq=1, carried=[1, 2]))
 
 
+def _others(ids: list[str], me: str) -> Callable[[], list[str]]:
+    return lambda: [x for x in ids if x != me]
+
+
 def test_the_lead_turns_among_a_groups_hosts_and_every_host_agrees_on_it() -> None:
     """wall_turn: each period another host of each group leads, the same one on every
     host of the group (drawn from the period's number: every host of a group of
@@ -206,7 +210,7 @@ def test_the_lead_turns_among_a_groups_hosts_and_every_host_agrees_on_it() -> No
     host); 0: the first host, always."""
     now = [0.0]
     ids = [f"h{i:02}" for i in range(12)]  # (sorted as strings: the live list's order)
-    hosts = {i: GroupedFanout(i, (lambda me: lambda: [x for x in ids if x != me])(i),
+    hosts = {i: GroupedFanout(i, _others(ids, i),
                               lambda parts, bundle: None, group=4,
                               turn=grouped.wall_turn(10.0, lambda: now[0]))
              for i in ids}
@@ -224,7 +228,7 @@ def test_the_lead_turns_among_a_groups_hosts_and_every_host_agrees_on_it() -> No
             every_fourth.add(hosts["h00"].leader())
     assert all(led[g] == set(groups[g]) for g in led), led
     assert len(every_fourth) > 1
-    fixed = GroupedFanout("h02", lambda: [x for x in ids if x != "h02"], lambda p, b: None,
+    fixed = GroupedFanout("h02", _others(ids, "h02"), lambda p, b: None,
                           group=4, turn=grouped.wall_turn(0.0))
     assert fixed.leader() == "h00"
 
@@ -232,7 +236,7 @@ def test_the_lead_turns_among_a_groups_hosts_and_every_host_agrees_on_it() -> No
 def test_a_group_cut_short_at_the_end_of_the_list_draws_among_its_own_hosts() -> None:
     ids = [f"h{i}" for i in range(10)]  # groups of 4: h0-h3, h4-h7, and h8-h9
     for turn in range(8):
-        leaders = {GroupedFanout(i, (lambda me: lambda: [x for x in ids if x != me])(i),
+        leaders = {GroupedFanout(i, _others(ids, i),
                                  lambda p, b: None, group=4,
                                  turn=lambda t=turn: t).leader() for i in ("h8", "h9")}
         assert leaders == {("h8", "h9")[turn % 2]}

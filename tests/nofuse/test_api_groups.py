@@ -1,9 +1,10 @@
 """A group's leader carries its members' index batches down one tree (mtcfs.peer.grouped),
 in the daemon's peer tier, in-process: six hosts in one trio loop over gRPC on
 loopback with --peer-group 3 and --peer-group-turn 0, so the 1st and the 4th
-host (by address) lead a group of three each. A member's commit is on every host when it returns, as
-with a tree of its own; a leader that dies leaves its members' batches to go
-down trees of their own."""
+host (by address) lead a group of three each. A member's commit is on every host
+when it returns, as with a tree of its own; a leader that dies leaves its
+members' batches to go down trees of their own; with the lead turning, commits
+meet whichever host leads."""
 
 from __future__ import annotations
 
