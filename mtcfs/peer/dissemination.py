@@ -26,14 +26,15 @@ for an announcement of a copy; while a batch of this host's is on its way, up
 to BUSY_HOLD later), when MAX_BATCH entries wait, or when a commit waits. A
 thousand changes made one by one cost a few batches, not a thousand trees, and
 a step's files a batch or two. Runs in the daemon's trio thread; the sending
-is a gRPC call per message, not waited for (TreeCalls; a forward's reply may
-carry its range's ack: Reply).
+is a gRPC call per message, not waited for, made from a thread of its own
+(TreeCalls; a forward's reply may carry its range's ack: Reply).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,6 +49,7 @@ from mtcfs.peer import fanout, grouped, wire
 from mtcfs.peer.membership import Membership
 from mtcfs.peer.outbox import Outbox
 from mtcfs.peer.v1 import peer_pb2 as pb
+from mtcfs.peer.v1 import peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +127,67 @@ class Settles(Protocol):
 class TreeCalls:
     """One tree message to one host: a one-way gRPC `Forward` call, not waited for
     (a lost one is sent again by the tree), so the trio thread never blocks on a
-    peer. Its reply says whether the receiver's range acked in it."""
+    peer. Its reply says whether the receiver's range acked in it.
+
+    The calls are made from one sending thread of their own, never from the trio
+    thread: grpc starts a thread for a channel with no call in flight (its
+    completion-queue spinner) at each such call, and `Thread.start` waits until
+    the new thread runs. On the trio thread that was a fifth of its work during a
+    save at 16 hosts, and under CPU pressure (many daemons, or a trainer's data
+    loaders, on few cores) a wait for the scheduler that left SWIM's probes
+    unanswered long enough to declare healthy hosts dead."""
 
     def __init__(self, members: Membership) -> None:
         self.members = members
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
 
-    def forward(self, addr: str, msg: object) -> grpc.Future:
-        return self.members.stub_for(addr).Forward.future(
-            wire.tree_to_pb(self.members.me, msg), timeout=BROADCAST_TIMEOUT,
-            metadata=self.members.metadata)
+    def forward(self, addr: str, msg: object,
+                outcome: Callable[[pb.TreeReply | None], None]) -> None:
+        """Send `msg` to `addr`; `outcome` gets the reply, or None if the call failed
+        (in the sending thread or a gRPC thread, later)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tree-calls",
+                                                daemon=True)
+                self._thread.start()  # once, at the first message
+        # The stub here: the membership's peers are the trio thread's.
+        self._queue.put(_Call(self.members.stub_for(addr), msg, outcome))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while (c := self._queue.get()) is not None:
+            try:
+                call = c.stub.Forward.future(
+                    wire.tree_to_pb(self.members.me, c.msg), timeout=BROADCAST_TIMEOUT,
+                    metadata=self.members.metadata)
+            except Exception as e:  # a closed channel (the peer left), a bad message
+                log.debug("tree message: %s", e)
+                c.outcome(None)
+                continue
+            call.add_done_callback(partial(_done, c.outcome))
+
+
+@dataclass
+class _Call:
+    stub: pb_grpc.PeerStub
+    msg: object
+    outcome: Callable[[pb.TreeReply | None], None]
+
+
+def _done(outcome: Callable[[pb.TreeReply | None], None], call: grpc.Future) -> None:
+    outcome(None if call.exception() is not None else call.result())
 
 
 @dataclass
@@ -191,6 +245,10 @@ class Broadcaster:
         self._known: set[str] = set()  # the counted hosts as of the last kick
         # Observers (metrics): called with the seconds a commit waited.
         self.observers: list[Callable[[float], None]] = []
+
+    def stop(self) -> None:
+        """No more messages (the tier is stopping): ends the sending thread."""
+        self.calls.close()
 
     # -- the hosts of the trees --------------------------------------------------------
 
@@ -458,13 +516,12 @@ class Broadcaster:
     def _send(self, dst: str, msg: object, attempt: int = 0) -> None:
         """One message down or up a tree, not waited for: its call's outcome comes
         back to this trio thread (send_failed, acked_in_reply or delivered)."""
-        call = self.calls.forward(dst, msg)
         token = trio.lowlevel.current_trio_token()
 
-        def sent(call: grpc.Future) -> None:  # in a gRPC thread
-            if call.exception() is not None:
+        def outcome(reply: pb.TreeReply | None) -> None:  # in another thread
+            if reply is None:
                 then: Callable[[], None] = partial(self.send_failed, dst, msg, attempt)
-            elif call.result().acked:
+            elif reply.acked:
                 then = partial(self.acked_in_reply, dst, msg)
             else:
                 then = partial(self.delivered, dst, msg)
@@ -480,7 +537,7 @@ class Broadcaster:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(in_trio)
 
-        call.add_done_callback(sent)
+        self.calls.forward(dst, msg, outcome)
 
     def send_failed(self, dst: str, msg: object, attempt: int) -> None:
         """A call carrying `msg` failed (in the trio thread): send it again shortly,

@@ -125,6 +125,7 @@ class PeerTier(Listener):
     def stop(self) -> None:
         self.replicator.stop()
         self.server.stop(grace=0.5)
+        self.broadcaster.stop()
         self.channel.stop()
         self.members.close()
 
