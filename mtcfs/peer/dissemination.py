@@ -65,7 +65,11 @@ KERNEL_SETTLE = 0.1  # seconds an ack waits for the kernel notifications of its 
 # own timer only guards against what is lost after that (a receiver that died).
 RESEND = 0.1
 RESENDS = 3
-TREE_RETRY = 5.0  # then every 10 s
+# Then 10, 20 and 40 s: under load a subtree waits for hosts that are slow, not lost,
+# and resending its batch every 10 s to every child multiplied the load (a retry storm
+# that kept 64 daemons on two cores from settling).
+TREE_RETRY = 5.0
+TREE_BACKOFF = 3
 # Seconds between checks that nothing waits in the outbox long past its time, and how
 # far past it (beyond BUSY_HOLD) counts as stuck: see _guard.
 GUARD = 2.0
@@ -144,10 +148,10 @@ class TreeCalls:
         self._lock = threading.Lock()
         self._closed = False
 
-    def forward(self, addr: str, msg: object,
-                outcome: Callable[[pb.TreeReply | None], None]) -> None:
-        """Send `msg` to `addr`; `outcome` gets the reply, or None if the call failed
-        (in the sending thread or a gRPC thread, later)."""
+    def forward(self, addr: str, msg: object, outcome: Outcome) -> None:
+        """Send `msg` to `addr`; `outcome` gets the reply, or None if the call failed,
+        and whether it failed for its deadline (in the sending thread or a gRPC
+        thread, later)."""
         with self._lock:
             if self._closed:
                 return
@@ -174,20 +178,28 @@ class TreeCalls:
                     metadata=self.members.metadata)
             except Exception as e:  # a closed channel (the peer left), a bad message
                 log.debug("tree message: %s", e)
-                c.outcome(None)
+                c.outcome(None, False)
                 continue
             call.add_done_callback(partial(_done, c.outcome))
+
+
+Outcome = Callable[[pb.TreeReply | None, bool], None]
 
 
 @dataclass
 class _Call:
     stub: pb_grpc.PeerStub
     msg: object
-    outcome: Callable[[pb.TreeReply | None], None]
+    outcome: Outcome
 
 
-def _done(outcome: Callable[[pb.TreeReply | None], None], call: grpc.Future) -> None:
-    outcome(None if call.exception() is not None else call.result())
+def _done(outcome: Outcome, call: grpc.Future) -> None:
+    e = call.exception()
+    if e is None:
+        outcome(call.result(), False)
+    else:
+        late = isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        outcome(None, late)
 
 
 @dataclass
@@ -228,7 +240,7 @@ class Broadcaster:
         # Numbered from the start time in µs: never a number of a previous life's.
         self.tree = grouped.GroupedFanout(members.me, self.counted, self._apply,
                                           group=group, fanout=degree or DEGREE, turn=turn,
-                                          retry=TREE_RETRY, max_backoff=1,
+                                          retry=TREE_RETRY, max_backoff=TREE_BACKOFF,
                                           first_seq=time.time_ns() // 1000)
         self._nursery: list[trio.Nursery] = []  # where resends run, once it runs
         # Forward handlers waiting for their range's ack: (origin, seq, end, parent).
@@ -518,9 +530,14 @@ class Broadcaster:
         back to this trio thread (send_failed, acked_in_reply or delivered)."""
         token = trio.lowlevel.current_trio_token()
 
-        def outcome(reply: pb.TreeReply | None) -> None:  # in another thread
-            if reply is None:
-                then: Callable[[], None] = partial(self.send_failed, dst, msg, attempt)
+        def outcome(reply: pb.TreeReply | None, late: bool) -> None:  # in another thread
+            if reply is None and late and isinstance(msg, fanout.Forward):
+                # Its deadline passed at a busy receiver, which may well have it
+                # queued: no quick resends piling onto it; the tree's own timer
+                # (backing off) resends it if no ack comes.
+                then: Callable[[], None] = partial(self.send_failed, dst, msg, RESENDS)
+            elif reply is None:
+                then = partial(self.send_failed, dst, msg, attempt)
             elif reply.acked:
                 then = partial(self.acked_in_reply, dst, msg)
             else:

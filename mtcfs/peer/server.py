@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any, Protocol
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 KERNEL_SETTLE = 0.1  # seconds a broadcast's reply waits for its kernel notifications
 TREE_REPLY_WAIT = 1.0  # seconds a forward's handler waits to answer with the range's ack
+# Handlers that may wait so at once: the others answer at once (the ack follows as a
+# call of its own), so that waiting handlers never fill the pool while forwards queue
+# past their deadline behind them (then resent: more load where there is too much).
+TREE_REPLY_WAITERS = 4
 SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
 MAX_SINCE = 365 * 24 * 3600.0  # a delta snapshot's reach back (longer: ask for all)
 
@@ -80,6 +85,7 @@ class GrpcService(pb_grpc.PeerServicer):
         # False with --peer-encryption over plain gRPC: file bytes only on the
         # (encrypting) data channel, never in clear here.
         self.file_bytes = file_bytes
+        self._reply_waiters = threading.BoundedSemaphore(TREE_REPLY_WAITERS)
 
     def _bytes_allowed(self) -> None:
         if not self.file_bytes:
@@ -140,7 +146,15 @@ class GrpcService(pb_grpc.PeerServicer):
             self._fail(context, e)
         # A batch: answer with its ack if this host's range applies it within a moment
         # (a leaf at once); else the ack follows as a call of its own.
-        if reply is None or not reply.wait(TREE_REPLY_WAIT):
+        if reply is None:
+            return pb.TreeReply()
+        waits = self._reply_waiters.acquire(blocking=False)
+        try:
+            acked = reply.wait(TREE_REPLY_WAIT if waits else 0.0)
+        finally:
+            if waits:
+                self._reply_waiters.release()
+        if not acked:
             return pb.TreeReply()
         # "Applied here": let the kernel drop the names it caches first (bounded).
         self.handler.kernel_settle(KERNEL_SETTLE)
