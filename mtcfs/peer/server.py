@@ -34,7 +34,7 @@ TREE_REPLY_WAIT = 1.0  # seconds a forward's handler waits to answer with the ra
 # Handlers that may wait so at once: the others answer at once (the ack follows as a
 # call of its own), so that waiting handlers never fill the pool while forwards queue
 # past their deadline behind them (then resent: more load where there is too much).
-TREE_REPLY_WAITERS = 4
+TREE_REPLY_WAITERS = 8
 SNAPSHOT_BATCH = 1000  # entries per message (one message per entry costs 10x more)
 MAX_SINCE = 365 * 24 * 3600.0  # a delta snapshot's reach back (longer: ask for all)
 

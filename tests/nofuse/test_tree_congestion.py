@@ -69,14 +69,14 @@ def test_only_a_few_forward_handlers_wait_for_their_ack_at_once() -> None:
                 took.append(time.monotonic() - t0)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(10):
+            for _ in range(12):
                 nursery.start_soon(trio.to_thread.run_sync, one)
 
     trio.run(serve)
     waited = [t for t in took if t >= server.TREE_REPLY_WAIT * 0.9]
-    assert len(took) == 10
-    assert len(waited) <= 4, took  # the others answered at once, their acks to follow
-    assert len(took) - len(waited) >= 6
+    assert len(took) == 12
+    assert len(waited) <= 8, took  # the others answered at once, their acks to follow
+    assert len(took) - len(waited) >= 4
     # Each handler that gave up left its ack to a call of its own.
     assert all(r.abandoned for r in handler.replies)
 
