@@ -136,10 +136,10 @@ class TreeCalls:
     The calls are made from one sending thread of their own, never from the trio
     thread: grpc starts a thread for a channel with no call in flight (its
     completion-queue spinner) at each such call, and `Thread.start` waits until
-    the new thread runs. On the trio thread that was a third of its busy time during a
-    save at 16 hosts, and under CPU pressure (many daemons, or a trainer's data
-    loaders, on few cores) a wait for the scheduler that left SWIM's probes
-    unanswered long enough to declare healthy hosts dead."""
+    the new thread runs. On the trio thread that was a third of its busy time
+    during a save at 16 hosts, and under CPU pressure (many daemons, or a
+    trainer's data loaders, on few cores) a wait for the scheduler in the thread
+    that answers SWIM's probes and serves FUSE."""
 
     def __init__(self, members: Membership) -> None:
         self.members = members
