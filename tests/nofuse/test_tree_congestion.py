@@ -47,9 +47,6 @@ class _NeverAcked:
         self.replies.append(r)
         return r
 
-    def kernel_settle(self, timeout: float) -> None:
-        pass
-
 
 def test_only_a_few_forward_handlers_wait_for_their_ack_at_once() -> None:
     handler = _NeverAcked()
