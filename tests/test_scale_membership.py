@@ -207,8 +207,111 @@ def test_a_host_whose_loop_runs_late_slows_down_and_recovers() -> None:
     # Unhealthy, it gives a suspect longer before declaring it dead.
     a.on_message("b", swim.Message(swim.GOSSIP, updates=(swim.Update("c", swim.SUSPECT, 0),)), t)
     cfg = swim.SwimConfig()
-    assert a.members["c"].suspect_deadline - t >= cfg.suspicion_timeout(4) * 4
+    assert a.suspicion_ends("c") - t >= cfg.suspicion_timeout(4) * 4
     a.on_message("c", swim.Message(swim.GOSSIP, incarnation=1), t)  # c refutes
     run(120.0, swim.TICK)
     assert a.health == 0
     assert all(a.state_of(n) == swim.ALIVE for n in "bcd")
+
+
+def suspected_by(a: swim.Swim, accuser: str, t: float, node: str = "c") -> swim.Out:
+    return a.on_message(accuser, swim.Message(swim.GOSSIP, updates=(
+        swim.Update(node, swim.SUSPECT, 0, accuser),)), t)
+
+
+def test_one_accuser_gives_a_suspect_the_longest_time_and_others_shorten_it() -> None:
+    """Lifeguard's dynamic suspicion: a suspicion starts suspicion_max_mult times the
+    timeout; each other accuser shortens it, log-wise, to the timeout at
+    `confirmations`; an accuser counted once."""
+    cfg = swim.SwimConfig()
+    a = swim.Swim("a", list("bcdefgh"), swim.Recorder(), random.Random(1), cfg)
+    shortest = cfg.suspicion_timeout(8)
+    suspected_by(a, "b", 0.0)
+    assert a.state_of("c") == swim.SUSPECT
+    assert a.suspicion_ends("c") == pytest.approx(shortest * cfg.suspicion_max_mult)
+    ends = [a.suspicion_ends("c")]
+    for accuser in "dde":
+        suspected_by(a, accuser, 0.1)
+        ends.append(a.suspicion_ends("c"))
+    assert ends[1] < ends[0] and ends[2] == ends[1] and ends[3] < ends[2], ends
+    assert a.status()["confirmations"] == 2
+    suspected_by(a, "f", 0.2)  # the third confirmation: the shortest, from the start
+    assert a.suspicion_ends("c") == pytest.approx(shortest)
+    suspected_by(a, "g", 0.3)  # no shorter than that
+    assert a.suspicion_ends("c") == pytest.approx(shortest)
+    a.tick(shortest - 0.01)
+    assert a.state_of("c") == swim.SUSPECT
+    a.tick(shortest)
+    assert a.state_of("c") == swim.DEAD
+
+
+def test_a_suspect_with_one_accuser_has_time_to_refute() -> None:
+    """A host that one slow accuser suspects (no one confirms) lives until the
+    longest time, and refuting within it keeps it alive; the same suspicion
+    confirmed by three others would have killed it by then."""
+    cfg = swim.SwimConfig()
+    rec = swim.Recorder()
+    a = swim.Swim("a", list("bcdefgh"), rec, random.Random(1), cfg)
+    suspected_by(a, "b", 0.0)
+    late = cfg.suspicion_timeout(8) * 3  # three times the fixed timeout of before
+    probe_rounds(a, 0.0, late, silent="")  # its probes answered: no confirmation
+    assert a.state_of("c") == swim.SUSPECT and rec.dead == []
+    a.on_message("c", swim.Message(swim.GOSSIP, incarnation=1), late)  # c refutes
+    probe_rounds(a, late, cfg.suspicion_timeout(8) * cfg.suspicion_max_mult + 1.0, "")
+    assert a.state_of("c") == swim.ALIVE and rec.dead == []
+    # Unconfirmed accusers do not count: the suspect itself, an unknown host, none said.
+    for accuser in ("c", "zz", ""):
+        a2 = swim.Swim("a", list("bcdefgh"), swim.Recorder(), random.Random(1), cfg)
+        suspected_by(a2, "b", 0.0)
+        suspected_by(a2, accuser, 0.1)
+        assert a2.suspicion_ends("c") == pytest.approx(
+            cfg.suspicion_timeout(8) * cfg.suspicion_max_mult), accuser
+
+
+def probe_rounds(a: swim.Swim, start: float, end: float, silent: str) -> list[swim.Update]:
+    """Tick `a` from start to end; every ping is answered at once but those to `silent`.
+    Returns the updates it sent."""
+    sent: list[swim.Update] = []
+    t = start
+    while t < end:
+        t += swim.TICK
+        for dst, m in a.tick(t):
+            sent += m.updates
+            if m.kind == swim.PING and dst != silent:
+                a.on_message(dst, swim.Message(swim.ACK, seq=m.seq, target=dst), t)
+    return sent
+
+
+def test_a_failed_probe_of_a_suspect_confirms_it_and_spreads_the_confirmation() -> None:
+    """This host's own unanswered probe of a host others suspect is a confirmation,
+    sent on as news with this host as the accuser."""
+    cfg = swim.SwimConfig()
+    a = swim.Swim("a", list("bcdefgh"), swim.Recorder(), random.Random(3), cfg)
+    suspected_by(a, "b", 0.0)
+    before = a.suspicion_ends("c")
+    sent: list[swim.Update] = []
+    t = 0.0
+    while a.status()["confirmations"] == 0 and t < 8 * cfg.period:  # c's turn comes
+        sent += probe_rounds(a, t, t + swim.TICK, silent="c")
+        t += swim.TICK
+    assert a.status()["confirmations"] == 1 and a.suspicion_ends("c") < before
+    sent += probe_rounds(a, t, t + 2 * cfg.gossip_interval, silent="c")
+    assert swim.Update("c", swim.SUSPECT, 0, "a") in sent, sent
+
+
+def test_in_a_job_of_two_no_one_can_confirm() -> None:
+    """With no third host to confirm, a suspicion has the plain timeout."""
+    cfg = swim.SwimConfig()
+    a = swim.Swim("a", ["b"], swim.Recorder(), random.Random(1), cfg)
+    probe_rounds(a, 0.0, 2 * cfg.period, silent="b")
+    assert a.state_of("b") == swim.SUSPECT
+    assert a.suspicion_ends("b") <= 2 * cfg.period + cfg.suspicion_timeout(2) + swim.TICK
+
+
+def test_the_accuser_crosses_the_wire() -> None:
+    from mtcfs.peer import wire
+
+    m = swim.Message(swim.GOSSIP, updates=(swim.Update("c", swim.SUSPECT, 7, "b"),
+                                           swim.Update("d", swim.ALIVE, 2)))
+    src, back = wire.gossip_from_pb(wire.gossip_to_pb("b", m))
+    assert src == "b" and back == m
