@@ -196,19 +196,23 @@ class Endpoint:
         """The datagrams waiting (at least one)."""
         while True:
             await trio.lowlevel.wait_readable(self.sock)
-            out = []
-            while True:
-                try:
-                    data = self.sock.recv(MAX_DATAGRAM + 1)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    continue  # an ICMP error from an earlier send
-                self.received += 1
-                self.bytes_received += len(data)
-                out.append(data)
+            out = self.drain()
             if out:
                 return out
+
+    def drain(self) -> list[bytes]:
+        """The datagrams waiting now (none: an empty list), without waiting."""
+        out = []
+        while True:
+            try:
+                data = self.sock.recv(MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError:
+                continue  # an ICMP error from an earlier send
+            self.received += 1
+            self.bytes_received += len(data)
+            out.append(data)
 
     def forget(self, addr: str) -> None:
         self._addrs.pop(addr, None)

@@ -166,6 +166,9 @@ class _Unbound:
         await trio.sleep_forever()
         return []
 
+    def drain(self) -> list[bytes]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -617,6 +620,11 @@ class Membership:
                     self._next_file = now + FILE_CHECK
                     self._watch_file()
                 self.local.ram_free = self.ram.free
+                # What came while this loop was away is read before SWIM's timers judge:
+                # after a stall (a busy host) the acks and refutations are in the socket,
+                # and a timer run first would suspect or kill hosts that did answer.
+                for data in self.endpoint.drain():
+                    self.receive(data, now)
                 self._send(self.swim.tick(now))
                 self._direct(now)
                 # Asleep until the next timer (an idle host: a few wake-ups a second,
