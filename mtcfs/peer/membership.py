@@ -620,9 +620,8 @@ class Membership:
                     self._next_file = now + FILE_CHECK
                     self._watch_file()
                 self.local.ram_free = self.ram.free
-                # What came while this loop was away is read before SWIM's timers judge:
-                # after a stall (a busy host) the acks and refutations are in the socket,
-                # and a timer run first would suspect or kill hosts that did answer.
+                # What came while this loop was away is read before SWIM's timers judge
+                # (after a stall, acks and refutations wait in the socket).
                 for data in self.endpoint.drain():
                     self.receive(data, now)
                 self._send(self.swim.tick(now))
