@@ -278,5 +278,5 @@ class Host:
         s = self.tier.members.swim
         assert s._live == sorted(n for n, m in s.members.items() if m.state != swim.DEAD)
         assert s._dead == {n for n, m in s.members.items() if m.state == swim.DEAD}
-        assert set(s._suspects) == {n for n, m in s.members.items() if m.state == swim.SUSPECT}
+        assert s._suspects == {n for n, m in s.members.items() if m.state == swim.SUSPECT}
         assert s.me not in s.members

@@ -421,8 +421,7 @@ class Membership:
                 failure_domain=self.local.domain, data_port=self.local.data_port,
                 ram_free=self.local.ram_free, ready=self.local.ready)
             for u in msg.updates:
-                up = m.updates.add(node=u.node, state=u.state, incarnation=u.incarnation,
-                                   accuser=u.accuser)
+                up = m.updates.add(node=u.node, state=u.state, incarnation=u.incarnation)
                 p = self.peers.get(u.node)
                 if p is not None:
                     up.node_id, up.failure_domain, up.data_port = p.node_id, p.domain, p.data_port
@@ -509,7 +508,7 @@ class Membership:
         for u in m.updates:
             if u.node != self.me and u.node not in self.peers:
                 continue
-            updates.append(swim.Update(u.node, u.state, u.incarnation, u.accuser))
+            updates.append(swim.Update(u.node, u.state, u.incarnation))
             metas.append(u)
         msg = swim.Message(m.kind, m.seq, m.incarnation, m.target, tuple(updates))
         self._send(self.swim.on_message(src, msg, now))

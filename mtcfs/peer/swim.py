@@ -14,17 +14,10 @@ refinements of HashiCorp memberlist where noted):
   (each member is probed once per pass). No ack within `ack_timeout`: it asks
   `indirect` other members to ping the target for it (PING_REQ); no ack by the
   end of the period: the target is SUSPECT.
-- A suspect that does not refute within its suspicion's time is DEAD. A host
-  that hears it is suspected or dead refutes by raising its incarnation number:
-  ALIVE at a higher incarnation overrides SUSPECT and DEAD at a lower one.
-- Dynamic suspicion (Lifeguard's, memberlist's SuspicionMaxTimeoutMult): a
-  suspicion carries its accuser (the host whose probe went unanswered) and
-  starts `suspicion_max_mult` times longer than `suspicion_timeout` (which
-  grows with log10 N, as memberlist's); each other host whose own probe fails
-  confirms it, and `confirmations` independent accusers bring it down to
-  `suspicion_timeout`, log-wise, counted from when it began. One slow or cut-off
-  accuser alone cannot kill a live host quickly; a host that really died is
-  probed by many and confirmed within a period or two.
+- A suspect that does not refute within `suspicion_timeout` (grows with
+  log10 N, as memberlist's) is DEAD. A host that hears it is suspected or dead
+  refutes by raising its incarnation number: ALIVE at a higher incarnation
+  overrides SUSPECT and DEAD at a lower one.
 - Replica partners (the hosts this one replicates to and the hosts that
   replicate to it, from `partners`) are also probed every `partner_period`:
   they notice a partner's death first.
@@ -79,7 +72,6 @@ class Update:
     node: str
     state: int
     incarnation: int
-    accuser: str = ""  # SUSPECT: whose probe went unanswered ("": not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +90,6 @@ class SwimConfig:
     ack_timeout: float = 0.15
     indirect: int = 3  # members asked to ping a target that did not answer
     suspicion_mult: float = 2.0  # suspicion timeout = mult * max(1, log10 N) * period
-    suspicion_max_mult: float = 6.0  # a suspicion starts this many times longer ...
-    confirmations: int = 3  # ... and this many other accusers bring it to the timeout
     gossip_interval: float = 0.1
     gossip_fanout: int = 3
     retransmit_mult: int = 2
@@ -138,46 +128,13 @@ class SwimListener(Protocol):
 class _Member:
     state: int
     incarnation: int
+    suspect_deadline: float = 0.0
 
 
 # The configured members not heard of since the start share one record, copied
 # before its first change (Swim._own): a job starts knowing thousands of hosts,
 # and the simulation runs thousands of such hosts in one process.
 _UNHEARD = _Member(ALIVE, 0)
-
-
-@dataclass(slots=True)
-class _Suspicion:
-    """A suspect's clock: it started at `since`, `longest` long, and shortens toward
-    `shortest` with each independent accuser beyond the first, reaching it at
-    `needed` confirmations (log-wise, as Lifeguard's)."""
-
-    since: float
-    shortest: float
-    longest: float
-    needed: int
-    accusers: list[str]
-    deadline: float = 0.0
-
-    def __post_init__(self) -> None:
-        self._settle()
-
-    def confirm(self, accuser: str) -> bool:
-        """Another host's probe went unanswered too: True if it is a new accuser."""
-        if not accuser or accuser in self.accusers or len(self.accusers) > self.needed:
-            return False
-        self.accusers.append(accuser)
-        self._settle()
-        return True
-
-    def _settle(self) -> None:
-        confirmed = len(self.accusers) - 1
-        if self.needed < 1 or confirmed >= self.needed:
-            span = self.shortest
-        else:
-            done = math.log(confirmed + 1) / math.log(self.needed + 1)
-            span = max(self.shortest, self.longest - (self.longest - self.shortest) * done)
-        self.deadline = self.since + span
 
 
 @dataclass(slots=True)
@@ -204,7 +161,6 @@ class Counters:
     probes: int = 0
     indirect_probes: int = 0
     suspicions: int = 0
-    confirmations: int = 0  # other hosts' accusations that shortened a suspicion
     refutations: int = 0
     deaths: int = 0
     late_ticks: int = 0
@@ -234,7 +190,7 @@ class Swim:
         # Kept up to date on every change, so that no timer or batch scans all members:
         self._live = sorted(self.members)  # alive or suspect, by node id
         self._dead: set[str] = set()
-        self._suspects: dict[str, _Suspicion] = {}
+        self._suspects: set[str] = set()
         self.counters = Counters()
         self._seq = 0
         self._order: list[str] = []  # this pass of the round robin
@@ -306,7 +262,7 @@ class Swim:
         if m.state != DEAD:
             self._live.pop(bisect.bisect_left(self._live, node))
         self._dead.discard(node)
-        self._suspects.pop(node, None)
+        self._suspects.discard(node)
         self._news.pop(node, None)
         for seq in [s for s, p in self._probes.items() if p.target == node]:
             del self._probes[seq]
@@ -361,8 +317,8 @@ class Swim:
                       else min(p.deadline, p.sent + cfg.ack_timeout * scale))
         for r in self._relays.values():
             due = min(due, r.expires)
-        for s in self._suspects.values():
-            due = min(due, s.deadline)
+        for node in self._suspects:
+            due = min(due, self.members[node].suspect_deadline)
         if plan:
             self._planned = due
         return due
@@ -406,7 +362,7 @@ class Swim:
         for seq, r in list(self._relays.items()):
             if now >= r.expires:
                 del self._relays[seq]
-        for node in [n for n, s in self._suspects.items() if now >= s.deadline]:
+        for node in [n for n in self._suspects if now >= self.members[n].suspect_deadline]:
             self._learn(Update(node, DEAD, self.members[node].incarnation), now)
         if self._news and now >= self._next_gossip:
             self._next_gossip = now + cfg.gossip_interval
@@ -501,7 +457,7 @@ class Swim:
             m.state, m.incarnation = u.state, u.incarnation
             self._index(u.node, was, u.state)
             if u.state == SUSPECT:
-                self._suspects[u.node] = self._suspicion(u, now)
+                m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
             if was == DEAD and u.state != DEAD:
                 self.listener.member_alive(u.node)
             elif u.state == DEAD and was != DEAD:
@@ -533,8 +489,7 @@ class Swim:
                 # would mark its own side dead. It asks the next host it hears from.
                 # (Hosts of one side answer each other: both may be resyncing.)
                 return []
-            everyone = [Update(n, m.state, m.incarnation, self._accuser(n))
-                        for n, m in self.members.items()]
+            everyone = [Update(n, m.state, m.incarnation) for n, m in self.members.items()]
             everyone.append(Update(self.me, ALIVE, self.incarnation))
             return [(src, Message(SYNC_REPLY, incarnation=self.incarnation,
                                   updates=tuple(everyone)))]
@@ -584,15 +539,15 @@ class Swim:
         else:
             newer = m.state != DEAD and u.incarnation >= m.incarnation
         if not newer:
-            if u.state == SUSPECT and m.state == SUSPECT and u.incarnation == m.incarnation:
-                self._confirm(u)
             return
         m = self._own(u.node, m)
         was, was_incarnation = m.state, m.incarnation
         m.state, m.incarnation = u.state, u.incarnation
         self._index(u.node, was, u.state)
         if u.state == SUSPECT:
-            self._suspects[u.node] = self._suspicion(u, now)
+            # An unhealthy host gives its suspects longer: it may be the slow one.
+            m.suspect_deadline = now + self.config.suspicion_timeout(self.size()) * \
+                self._scale()
         self._spread(u)
         if was == DEAD and u.state != DEAD:
             self.listener.member_alive(u.node)
@@ -605,40 +560,11 @@ class Swim:
                 del self._probes[seq]
             self.listener.member_dead(u.node)
 
-    def _suspicion(self, u: Update, now: float) -> _Suspicion:
-        """A new suspicion of `u.node`. An unhealthy host gives its suspects longer: it
-        may be the slow one. Confirmations need hosts other than the suspect and the
-        accuser: in a small job fewer (none with two hosts)."""
-        cfg = self.config
-        shortest = cfg.suspicion_timeout(self.size()) * self._scale()
-        needed = min(cfg.confirmations, len(self._live) - 1)
-        return _Suspicion(now, shortest, shortest * max(1.0, cfg.suspicion_max_mult),
-                          needed, [u.accuser] if self._may_accuse(u) else [""])
-
-    def _may_accuse(self, u: Update) -> bool:
-        return u.accuser != u.node and (u.accuser == self.me or u.accuser in self.members)
-
-    def _confirm(self, u: Update) -> None:
-        """Another accuser of a suspect we hold at the same incarnation: the suspicion
-        shortens, and the confirmation is news (others' clocks shorten too)."""
-        s = self._suspects.get(u.node)
-        if s is not None and self._may_accuse(u) and s.confirm(u.accuser):
-            self.counters.confirmations += 1
-            self._spread(u)
-
-    def _accuser(self, node: str) -> str:
-        s = self._suspects.get(node)
-        return s.accusers[0] if s is not None else ""
-
-    def suspicion_ends(self, node: str) -> float:
-        """When a suspect is declared dead unless it refutes or is confirmed further
-        (inf: not suspected)."""
-        s = self._suspects.get(node)
-        return math.inf if s is None else s.deadline
-
     def _index(self, node: str, was: int, now: int) -> None:
-        if now != SUSPECT:
-            self._suspects.pop(node, None)
+        if now == SUSPECT:
+            self._suspects.add(node)
+        else:
+            self._suspects.discard(node)
         if (was == DEAD) == (now == DEAD):
             return
         if now == DEAD:
@@ -649,13 +575,10 @@ class Swim:
             bisect.insort(self._live, node)
 
     def _suspect(self, node: str, now: float) -> None:
-        """Our probe of `node` went unanswered: suspect it, or confirm a suspicion of it."""
         m = self.members.get(node)
-        if m is None or m.state == DEAD:
-            return
-        if m.state == ALIVE:
+        if m is not None and m.state == ALIVE:
             self.counters.suspicions += 1
-        self._learn(Update(node, SUSPECT, m.incarnation, self.me), now)
+            self._learn(Update(node, SUSPECT, m.incarnation), now)
 
     def _spread(self, u: Update) -> None:
         self._news[u.node] = [u, 0]

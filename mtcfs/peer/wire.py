@@ -12,13 +12,12 @@ def gossip_to_pb(src: str, msg: swim.Message) -> pb.GossipMessage:
     return pb.GossipMessage(
         from_node=src, kind=msg.kind, seq=msg.seq, incarnation=msg.incarnation,
         target=msg.target,
-        updates=[pb.MemberUpdate(node=u.node, state=u.state, incarnation=u.incarnation,
-                                 accuser=u.accuser)
+        updates=[pb.MemberUpdate(node=u.node, state=u.state, incarnation=u.incarnation)
                  for u in msg.updates])
 
 
 def gossip_from_pb(m: pb.GossipMessage) -> tuple[str, swim.Message]:
-    updates = tuple(swim.Update(u.node, u.state, u.incarnation, u.accuser) for u in m.updates)
+    updates = tuple(swim.Update(u.node, u.state, u.incarnation) for u in m.updates)
     return m.from_node, swim.Message(m.kind, m.seq, m.incarnation, m.target, updates)
 
 

@@ -251,22 +251,20 @@ class ListHeldReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., files: _Optional[_Iterable[_Union[HeldFile, _Mapping]]] = ...) -> None: ...
 
 class MemberUpdate(_message.Message):
-    __slots__ = ("node", "state", "incarnation", "node_id", "failure_domain", "data_port", "accuser")
+    __slots__ = ("node", "state", "incarnation", "node_id", "failure_domain", "data_port")
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
-    ACCUSER_FIELD_NUMBER: _ClassVar[int]
     node: str
     state: int
     incarnation: int
     node_id: str
     failure_domain: str
     data_port: int
-    accuser: str
-    def __init__(self, node: _Optional[str] = ..., state: _Optional[int] = ..., incarnation: _Optional[int] = ..., node_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., data_port: _Optional[int] = ..., accuser: _Optional[str] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[int] = ..., incarnation: _Optional[int] = ..., node_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GossipMessage(_message.Message):
     __slots__ = ("from_node", "kind", "seq", "incarnation", "target", "updates", "node_id", "failure_domain", "data_port", "ram_free", "ready", "to", "stamp")
