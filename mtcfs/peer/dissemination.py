@@ -202,6 +202,14 @@ def _done(outcome: Outcome, call: grpc.Future) -> None:
         outcome(None, late)
 
 
+def failed_attempt(msg: object, late: bool, attempt: int) -> int:
+    """The attempt a failed call counts as (quick resends follow below RESENDS). A
+    forward whose deadline passed at a busy receiver, which may well have it queued,
+    counts as the last: no quick resends pile onto it, and the tree's own timer
+    (backing off) resends it if no ack comes."""
+    return RESENDS if late and isinstance(msg, fanout.Forward) else attempt
+
+
 @dataclass
 class Stats:
     batches_sent: int = 0  # this host's batches published
@@ -531,13 +539,9 @@ class Broadcaster:
         token = trio.lowlevel.current_trio_token()
 
         def outcome(reply: pb.TreeReply | None, late: bool) -> None:  # in another thread
-            if reply is None and late and isinstance(msg, fanout.Forward):
-                # Its deadline passed at a busy receiver, which may well have it
-                # queued: no quick resends piling onto it; the tree's own timer
-                # (backing off) resends it if no ack comes.
-                then: Callable[[], None] = partial(self.send_failed, dst, msg, RESENDS)
-            elif reply is None:
-                then = partial(self.send_failed, dst, msg, attempt)
+            if reply is None:
+                then: Callable[[], None] = partial(self.send_failed, dst, msg,
+                                                   failed_attempt(msg, late, attempt))
             elif reply.acked:
                 then = partial(self.acked_in_reply, dst, msg)
             else:
