@@ -9,12 +9,8 @@ SWIM's messages sealed with the job's key (or not).
 from __future__ import annotations
 
 import os
-import socket
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,20 +20,12 @@ from mtcfs.peer import swim
 from mtcfs.peer.gossip import MAC_LEN, MAGIC, Codec
 from mtcfs.peer.v1 import peer_pb2 as pb
 
-from support.gcs_server import free_port
-from support.mounts import MtcfsMount, dispose
+from support.fakepeer import DaemonAndSocket, daemon_with_fake_peer
 
 FAKE_NODE = "node-fake"
 
 
-@dataclass
-class Setup:
-    mount: MtcfsMount
-    addr: str  # the daemon's --listen
-    fake: str  # the fake peer's address (configured in the daemon's --peers)
-    sock: socket.socket
-    token: bytes
-
+class Setup(DaemonAndSocket):
     def membership(self) -> dict[str, Any]:
         return control.request(str(self.mount.path), "status")["status"]["peers"]["membership"]
 
@@ -45,34 +33,12 @@ class Setup:
         peers = control.request(str(self.mount.path), "status")["status"]["peers"]["peers"]
         return next(p for p in peers if p["address"] == self.fake)
 
-    def send(self, data: bytes) -> None:
-        host, port = self.addr.rsplit(":", 1)
-        self.sock.sendto(data, (host, int(port)))
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("gossip-security")
-    ram_root = Path("/dev/shm") / f"mtcfs-test-{uuid.uuid4().hex[:10]}"
-    ram_root.mkdir()
-    token = os.urandom(16).hex().encode()
-    (tmp / "token").write_bytes(token + b"\n")
-    mp = tmp / "mnt"
-    mp.mkdir()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.2)
-    fake = f"127.0.0.1:{sock.getsockname()[1]}"
-    addr = f"127.0.0.1:{free_port()}"
-    m = MtcfsMount(mp, ram_root / "ram-a", "64MiB", "node-a",
-                   ("--listen", addr, "--peers", fake, "--token-file", str(tmp / "token"),
-                    "--commit-timeout", "3"))
-    try:
-        m.start(timeout=30)
-        yield Setup(m, addr, fake, sock, token)
-    finally:
-        sock.close()
-        dispose(m, ram_root)
+    with daemon_with_fake_peer(tmp_path_factory.mktemp("gossip-security"),
+                               ("--commit-timeout", "3")) as d:
+        yield Setup(d.mount, d.addr, d.fake, d.sock, d.token)
 
 
 def message(s: Setup, kind: int, incarnation: int, **kw: Any) -> pb.GossipMessage:

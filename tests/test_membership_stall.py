@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +25,8 @@ from mtcfs.peer import swim
 from mtcfs.peer.gossip import Codec
 from mtcfs.peer.v1 import peer_pb2 as pb
 
-from support.gcs_server import free_port
-from support.mounts import MtcfsMount, dispose
+from support.fakepeer import DaemonAndSocket, daemon_with_fake_peer
+from support.mounts import MtcfsMount
 
 # Timing: the fake peer must answer the unstalled probes within 0.5 s.
 pytestmark = pytest.mark.serial
@@ -41,11 +39,9 @@ STALL_S = 1.5  # beyond the daemon's probe deadline (0.5 s)
 class FakePeer:
     """Answers the daemon's pings; stops the daemon around the next `stall` ones."""
 
-    def __init__(self, sock: socket.socket, addr: str, token: bytes, daemon: str) -> None:
-        self.sock = sock
-        self.addr = addr
-        self.daemon = daemon
-        self.codec = Codec(addr, token)
+    def __init__(self, d: DaemonAndSocket) -> None:
+        self.d = d
+        self.codec = Codec(d.fake, d.token)
         self.incarnation = time.time_ns() // 10**6
         self.pid = 0
         self.stall = 0  # pings still to answer while the daemon is stopped
@@ -54,15 +50,14 @@ class FakePeer:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def say(self, kind: int, seq: int, target: str = "") -> None:
-        m = pb.GossipMessage(from_node=self.addr, kind=kind, seq=seq,
+        m = pb.GossipMessage(from_node=self.d.fake, kind=kind, seq=seq,
                              incarnation=self.incarnation, target=target, node_id=FAKE_NODE)
-        host, port = self.daemon.rsplit(":", 1)
-        self.sock.sendto(self.codec.seal(m, self.daemon), (host, int(port)))
+        self.d.send(self.codec.seal(m, self.d.addr))
 
     def _run(self) -> None:
         while not self.done.is_set():
             try:
-                data = self.sock.recv(65536)
+                data = self.d.sock.recv(65536)
             except TimeoutError:
                 continue
             except OSError:
@@ -74,44 +69,29 @@ class FakePeer:
                 self.stall -= 1
                 os.kill(self.pid, signal.SIGSTOP)
                 try:
-                    self.say(swim.ACK, m.seq, target=self.addr)  # waits in its socket
+                    self.say(swim.ACK, m.seq, target=self.d.fake)  # waits in its socket
                     time.sleep(STALL_S)
                 finally:
                     os.kill(self.pid, signal.SIGCONT)
                 self.stalled += 1
             else:
-                self.say(swim.ACK, m.seq, target=self.addr)
+                self.say(swim.ACK, m.seq, target=self.d.fake)
 
 
 @pytest.fixture
 def daemon_and_peer(tmp_path: Path) -> Iterator[tuple[MtcfsMount, FakePeer]]:
-    ram_root = Path("/dev/shm") / f"mtcfs-test-{uuid.uuid4().hex[:10]}"
-    ram_root.mkdir()
-    token = os.urandom(16).hex().encode()
-    (tmp_path / "token").write_bytes(token + b"\n")
-    mp = tmp_path / "mnt"
-    mp.mkdir()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.2)
-    fake = f"127.0.0.1:{sock.getsockname()[1]}"
-    addr = f"127.0.0.1:{free_port()}"
-    m = MtcfsMount(mp, ram_root / "ram-a", "64MiB", "node-a",
-                   ("--listen", addr, "--peers", fake, "--token-file", str(tmp_path / "token")))
-    peer = FakePeer(sock, fake, token, addr)
-    try:
-        m.start(timeout=30)  # (the peer silent: a live one would be joined from)
+    with daemon_with_fake_peer(tmp_path) as d:
+        m = d.mount
         assert m.proc is not None
-        peer.thread.start()
-        yield m, peer
-    finally:
-        peer.done.set()
-        if m.proc is not None and m.proc.poll() is None:
-            os.kill(m.proc.pid, signal.SIGCONT)
-        if peer.thread.is_alive():
+        peer = FakePeer(d)
+        try:
+            peer.thread.start()
+            yield m, peer
+        finally:
+            peer.done.set()
+            if m.proc.poll() is None:
+                os.kill(m.proc.pid, signal.SIGCONT)
             peer.thread.join(5)
-        sock.close()
-        dispose(m, ram_root)
 
 
 def swim_status(m: MtcfsMount) -> dict:
