@@ -18,18 +18,24 @@ Each datagram is `MAGIC | GossipMessage | MAC`:
   replayed changes nothing.
 
 The UDP socket is bound to the --listen address (UDP and TCP ports are distinct:
-the gRPC server keeps the TCP port).
+the gRPC server keeps the TCP port). A thread of its own reads it, so that a ping
+is answered while the event loop is busy (mtcfs.peer.membership.QuickAcks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import logging
+import select
 import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import trio
 from blake3 import blake3
@@ -46,6 +52,8 @@ MAX_DATAGRAM = 65507
 MAX_SKEW = 30 * 10**9  # ns: hosts' clocks further apart than this cannot talk
 REORDER = 2 * 10**9  # ns: a datagram this far behind its sender's newest is dropped
 MAX_SENDERS = 4096  # replay windows kept before those past MAX_SKEW are forgotten
+
+T = TypeVar("T")
 
 
 def gossip_key(secret: bytes | None) -> bytes:
@@ -78,6 +86,7 @@ class Codec:
         self._key = gossip_key(secret)
         self._clock = clock
         self._last = 0
+        self._stamping = threading.Lock()  # seal() is called from two threads
         self._windows: dict[str, _Window] = {}
         self.dropped = Dropped()
 
@@ -85,8 +94,9 @@ class Codec:
         return blake3(body, key=self._key).digest()
 
     def seal(self, m: pb.GossipMessage, to: str) -> bytes:
-        self._last = max(self._last + 1, self._clock())
-        m.to, m.stamp = to, self._last
+        with self._stamping:  # two equal stamps: the second is dropped as replayed
+            self._last = max(self._last + 1, self._clock())
+            m.to, m.stamp = to, self._last
         body = MAGIC + m.SerializeToString()
         return body + self._mac(body)
 
@@ -146,19 +156,32 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-class Endpoint:
+class Endpoint(Generic[T]):
     """A non-blocking UDP socket on this host's --listen address. Sends never wait
-    (a full socket buffer drops the datagram: SWIM copes with loss); receives are
-    read in the trio thread as they arrive."""
+    (a full socket buffer drops the datagram: SWIM copes with loss).
+
+    Datagrams are read by a thread of their own (start()) and passed to `take`
+    there, as they arrive, whatever the event loop is doing: `take` opens them
+    and may answer at once (membership's quick acks); what it returns waits in a
+    queue for the loop (receive(), drain()). Before start() and in drain() the
+    loop reads the socket itself; `take` runs under one lock, in one thread at a
+    time."""
 
     bound = True  # (membership's stand-in before it binds says False)
 
-    def __init__(self, listen: str) -> None:
+    def __init__(self, listen: str, take: Callable[[bytes], T | None]) -> None:
         host, port = parse_address(listen, "--listen address")
         self.sock = socket.socket(_family(host), socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.sock.bind((host, port))
+        self._take = take
         self._addrs: dict[str, tuple[str, int]] = {}
+        self._taking = threading.Lock()
+        self._taken: deque[T] = deque()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._arrived = trio.Event()
+        self._wake_pending = False
+        self._closed = False
         self.sent = 0
         self.received = 0
         self.bytes_sent = 0
@@ -185,37 +208,84 @@ class Endpoint:
             self.sock.sendto(data, to)
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.ECONNREFUSED, errno.ENETUNREACH,
-                               errno.EHOSTUNREACH, errno.EPERM):
+                               errno.EHOSTUNREACH, errno.EPERM, errno.EBADF):
                 log.warning("datagram to %s: %s", addr, e)
             self.send_errors += 1
             return
         self.sent += 1
         self.bytes_sent += len(data)
 
-    async def receive(self) -> list[bytes]:
-        """The datagrams waiting (at least one)."""
-        while True:
-            await trio.lowlevel.wait_readable(self.sock)
-            out = self.drain()
-            if out:
-                return out
+    def start(self, token: trio.lowlevel.TrioToken) -> None:
+        """Read in a thread of its own from now on, waking the loop of `token`."""
+        if self._token is None:
+            self._token = token
+            threading.Thread(target=self._reader, name="datagrams", daemon=True).start()
 
-    def drain(self) -> list[bytes]:
-        """The datagrams waiting now (none: an empty list), without waiting."""
-        out = []
+    def _reader(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        while not self._closed:
+            poller.poll()  # (close() wakes it: shutdown)
+            with self._taking:
+                if self._closed:
+                    return
+                taken = self._read()
+            if taken and not self._wake_pending:
+                self._wake_pending = True
+                try:
+                    self._token.run_sync_soon(self._arrived.set)  # type: ignore[union-attr]
+                except trio.RunFinishedError:
+                    return
+
+    def _read(self) -> int:
+        """Take the datagrams waiting now (under _taking); how many were kept."""
+        kept = 0
         while True:
             try:
                 data = self.sock.recv(MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
-                return out
-            except OSError:
+                return kept
+            except OSError as e:
+                if e.errno == errno.EBADF:
+                    return kept
                 continue  # an ICMP error from an earlier send
             self.received += 1
             self.bytes_received += len(data)
-            out.append(data)
+            item = self._take(data)
+            if item is not None:
+                self._taken.append(item)
+                kept += 1
+
+    async def receive(self) -> list[T]:
+        """What `take` kept (at least one item)."""
+        while True:
+            out = self.drain()
+            if out:
+                return out
+            if self._token is None:
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
+            self._arrived = trio.Event()
+            self._wake_pending = False  # from here on the reader wakes this event
+            if not self._taken:
+                await self._arrived.wait()
+
+    def drain(self) -> list[T]:
+        """What `take` kept, with what waits in the socket now (without waiting): after
+        a stall the loop reads it even where the reader thread was starved too."""
+        with self._taking:
+            if not self._closed:
+                self._read()
+            out = list(self._taken)
+            self._taken.clear()
+        return out
 
     def forget(self, addr: str) -> None:
         self._addrs.pop(addr, None)
 
     def close(self) -> None:
-        self.sock.close()
+        with self._taking:
+            self._closed = True
+            with contextlib.suppress(OSError):  # (unconnected: ENOTCONN, but it wakes poll)
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()

@@ -22,6 +22,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +47,9 @@ MISSED_DIRECT = 3
 RECHECK = 1.0  # an unreachable peer is pinged again this often (up to RECHECK_MAX a round)
 RECHECK_MAX = 8
 STRANGERS = 64  # channels kept to hosts not among the peers (stub_for)
+# A loop that has not come round for this long gets no quick acks (QuickAcks): a daemon
+# wedged that long is as good as dead to its peers; one merely busy comes round sooner.
+WEDGED = 20.0
 
 # The daemon's SWIM timing: a host loaded by other work (FUSE, replication, tests on two
 # cores) may answer a probe late; a suspicion is refuted, a death is not. Probes are
@@ -79,6 +83,28 @@ class _Channel:
             for channel, _ in self._opened:
                 channel.close()
             self._opened.clear()
+
+
+class _Strangers:
+    """Channels to addresses not among the peers (a host of the job, holding the token,
+    that sent us something to answer), kept for the next time: at most STRANGERS."""
+
+    def __init__(self, tls: tuple[bytes, bytes, bytes | None] | None) -> None:
+        self.tls = tls
+        self._conns: dict[str, _Channel] = {}
+
+    def stub(self, addr: str) -> pb_grpc.PeerStub:
+        conn = self._conns.get(addr)
+        if conn is None:
+            if len(self._conns) >= STRANGERS:
+                self.close()
+            conn = self._conns[addr] = _Channel(addr, self.tls)
+        return conn.open()
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
 
 
 @dataclass(eq=False)
@@ -162,11 +188,14 @@ class _Unbound:
     def forget(self, addr: str) -> None:
         pass
 
-    async def receive(self) -> list[bytes]:
+    def start(self, token: trio.lowlevel.TrioToken) -> None:
+        pass
+
+    async def receive(self) -> list[pb.GossipMessage]:
         await trio.sleep_forever()
         return []
 
-    def drain(self) -> list[bytes]:
+    def drain(self) -> list[pb.GossipMessage]:
         return []
 
     def close(self) -> None:
@@ -203,6 +232,56 @@ class Self:
     replicas: int = 0  # K: its replica partners are probed more often
 
 
+def _datagram(me: str, local: Self, msg: swim.Message) -> pb.GossipMessage:
+    """A SWIM message as a datagram, with what this host says of itself."""
+    return pb.GossipMessage(
+        from_node=me, kind=msg.kind, seq=msg.seq, incarnation=msg.incarnation,
+        target=msg.target, node_id=local.node_id, failure_domain=local.domain,
+        data_port=local.data_port, ram_free=local.ram_free, ready=local.ready)
+
+
+class QuickAcks:
+    """Answers pings in the thread that reads the datagrams (gossip.Endpoint), before
+    the event loop sees them. When every host of a job saves at once on few cores, an
+    event loop can be busy for seconds, longer than SWIM's suspicion timeout: answered
+    from the loop, busy hosts were suspected, then found dead, and the re-splits and
+    catch-ups that followed kept everyone busy. A quick ack carries no news; the loop's
+    own ack to the same ping follows only when it has some (`covers`). A loop that has
+    not come round for WEDGED seconds (`came_round`) gets no quick acks."""
+
+    def __init__(self, me: str, local: Self, codec: Codec,
+                 incarnation: Callable[[], int]) -> None:
+        self.me = me
+        self.local = local
+        self.codec = codec
+        self.incarnation = incarnation
+        self._loop_seen = time.monotonic()
+        self._acked: set[tuple[str, int]] = set()  # (sender, seq) of pings answered
+        self.sent = 0
+
+    def came_round(self) -> None:
+        self._loop_seen = time.monotonic()
+
+    def answer(self, m: pb.GossipMessage, send: Callable[[str, bytes], None]) -> None:
+        if m.kind != swim.PING or m.node_id == self.local.node_id:
+            return  # (a host with our own node id is not answered: Membership.receive)
+        if time.monotonic() - self._loop_seen > WEDGED:
+            return
+        ack = swim.Message(swim.ACK, seq=m.seq, incarnation=self.incarnation(), target=self.me)
+        send(m.from_node, self.codec.seal(_datagram(self.me, self.local, ack), m.from_node))
+        if len(self._acked) > 4096:  # (pings the loop never answered: a stranger's)
+            self._acked.clear()
+        self._acked.add((m.from_node, m.seq))
+        self.sent += 1
+
+    def covers(self, dst: str, msg: swim.Message) -> bool:
+        """Whether the loop's `msg` to `dst` is an ack sent already, with no news."""
+        if msg.kind != swim.ACK or (dst, msg.seq) not in self._acked:
+            return False
+        self._acked.discard((dst, msg.seq))
+        return not msg.updates
+
+
 class Membership:
     def __init__(self, me: str, node_id: str, static: list[str], peers_file: str | None,
                  secret: bytes | None, tls: tuple[bytes, bytes, bytes | None] | None,
@@ -230,7 +309,8 @@ class Membership:
         self.swim = swim.Swim(me, [], self, self._rng, config, partners=self._partners,
                               now=time.monotonic(), incarnation=time.time_ns() // 10**6)
         self.codec = Codec(me, secret)
-        self.endpoint: Endpoint | _Unbound = _Unbound()  # bound by open()
+        self.quick = QuickAcks(me, self.local, self.codec, lambda: self.swim.incarnation)
+        self.endpoint: Endpoint[pb.GossipMessage] | _Unbound = _Unbound()  # bound by open()
         # The placement ring as of a membership version (-1: not made yet).
         self._ring: tuple[int, list[str], dict[str, str]] = (-1, [], {})
         self._ring_version = 0
@@ -244,7 +324,7 @@ class Membership:
         # The run loop's sleep until its next timer, moved by what is sent and received
         # meanwhile (see _rearm); None while it runs.
         self._sleep: list[trio.CancelScope] = []  # the run loop's sleep, while it sleeps
-        self._strangers: dict[str, _Channel] = {}  # channels to hosts not among the peers
+        self._strangers = _Strangers(tls)
         self.sync_addresses()
 
     # -- addresses -------------------------------------------------------------------
@@ -404,7 +484,7 @@ class Membership:
         """Bind the datagram socket (before the peer tier waits for its peers)."""
         if not self.endpoint.bound:
             try:
-                self.endpoint = Endpoint(self.me)
+                self.endpoint = Endpoint(self.me, self._take)
             except OSError as e:
                 raise OSError(e.errno, f"membership datagrams: cannot bind UDP {self.me}: "
                                        f"{e.strerror}") from None
@@ -415,11 +495,9 @@ class Membership:
         for dst, msg in out:
             if msg.kind == swim.PING and dst in self.peers:
                 self._pings[msg.seq] = (dst, time.monotonic())
-            m = pb.GossipMessage(
-                from_node=self.me, kind=msg.kind, seq=msg.seq, incarnation=msg.incarnation,
-                target=msg.target, node_id=self.local.node_id,
-                failure_domain=self.local.domain, data_port=self.local.data_port,
-                ram_free=self.local.ram_free, ready=self.local.ready)
+            if self.quick.covers(dst, msg):
+                continue
+            m = _datagram(self.me, self.local, msg)
             for u in msg.updates:
                 up = m.updates.add(node=u.node, state=u.state, incarnation=u.incarnation)
                 p = self.peers.get(u.node)
@@ -463,10 +541,19 @@ class Membership:
             due = min(due, self._recheck_at)
         return due
 
-    def receive(self, data: bytes, now: float) -> None:
+    def _take(self, data: bytes) -> pb.GossipMessage | None:
+        """In the datagram thread: open a datagram; a ping is answered at once."""
         m = self.codec.open(data)
-        if m is None:
-            return
+        if m is not None:
+            self.quick.answer(m, self.endpoint.send)
+        return m
+
+    def receive(self, data: bytes, now: float) -> None:
+        m = self._take(data)
+        if m is not None:
+            self.on_datagram(m, now)
+
+    def on_datagram(self, m: pb.GossipMessage, now: float) -> None:
         src = m.from_node
         p = self.peers.get(src)
         if p is None or p.removed:
@@ -611,6 +698,7 @@ class Membership:
 
     async def run(self) -> None:
         self.open()
+        self.endpoint.start(trio.lowlevel.current_trio_token())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_loop)
             while True:
@@ -619,10 +707,11 @@ class Membership:
                     self._next_file = now + FILE_CHECK
                     self._watch_file()
                 self.local.ram_free = self.ram.free
+                self.quick.came_round()
                 # What came while this loop was away is read before SWIM's timers judge
                 # (after a stall, acks and refutations wait in the socket).
-                for data in self.endpoint.drain():
-                    self.receive(data, now)
+                for m in self.endpoint.drain():
+                    self.on_datagram(m, now)
                 self._send(self.swim.tick(now))
                 self._direct(now)
                 # Asleep until the next timer (an idle host: a few wake-ups a second,
@@ -658,8 +747,9 @@ class Membership:
 
     async def _receive_loop(self) -> None:
         while True:
-            for data in await self.endpoint.receive():
-                self.receive(data, time.monotonic())
+            for m in await self.endpoint.receive():
+                self.quick.came_round()
+                self.on_datagram(m, time.monotonic())
 
     def _watch_file(self) -> None:
         if not self.peers_file:
@@ -678,28 +768,18 @@ class Membership:
             e = self.endpoint
             out["datagrams"] = {"sent": e.sent, "received": e.received,
                                 "bytes_sent": e.bytes_sent, "bytes_received": e.bytes_received,
-                                "send_errors": e.send_errors,
+                                "send_errors": e.send_errors, "quick_acks": self.quick.sent,
                                 "dropped": vars(self.codec.dropped)}
         return out
 
     def stub_for(self, addr: str) -> pb_grpc.PeerStub:
-        """A peer's gRPC stub; for an address not among the peers (a host of the job,
-        holding the token, that sent us something to answer) a channel of its own,
-        kept for the next time (at most STRANGERS of them)."""
+        """A peer's gRPC stub, or a stranger's (_Strangers)."""
         p = self.peers.get(addr)
-        if p is not None:
-            return p.stub
-        conn = self._strangers.get(addr)
-        if conn is None:
-            if len(self._strangers) >= STRANGERS:
-                for old in self._strangers.values():
-                    old.close()
-                self._strangers.clear()
-            conn = self._strangers[addr] = _Channel(addr, self.tls)
-        return conn.open()
+        return p.stub if p is not None else self._strangers.stub(addr)
 
     def close(self) -> None:
-        for conn in [*(p.conn for p in self.peers.values()), *self._strangers.values()]:
-            conn.close()
+        for p in self.peers.values():
+            p.conn.close()
+        self._strangers.close()
         self.endpoint.close()
 
