@@ -241,38 +241,54 @@ def _datagram(me: str, local: Self, msg: swim.Message) -> pb.GossipMessage:
 
 
 class QuickAcks:
-    """Answers pings in the thread that reads the datagrams (gossip.Endpoint), before
-    the event loop sees them. When every host of a job saves at once on few cores, an
-    event loop can be busy for seconds, longer than SWIM's suspicion timeout: answered
-    from the loop, busy hosts were suspected, then found dead, and the re-splits and
-    catch-ups that followed kept everyone busy. A quick ack carries no news; the loop's
-    own ack to the same ping follows only when it has some (`covers`). A loop that has
-    not come round for WEDGED seconds (`came_round`) gets no quick acks."""
+    """Answers pings and refutes suspicions in the thread that reads the datagrams
+    (gossip.Endpoint), before the event loop sees them. When every host of a job saves
+    at once on few cores, an event loop can be busy for seconds, longer than SWIM's
+    suspicion timeout: answered from the loop, busy hosts were suspected, then found
+    dead, and the re-splits and catch-ups that followed kept everyone busy. A quick
+    ack carries no news; the loop's own ack to the same ping follows only when it has
+    some (`covers`). A suspicion of this host heard here takes a higher incarnation at
+    once (Swim.refute), which the quick answer carries. A loop that has not come round
+    for WEDGED seconds (`came_round`) gets neither."""
 
-    def __init__(self, me: str, local: Self, codec: Codec,
-                 incarnation: Callable[[], int]) -> None:
+    def __init__(self, me: str, local: Self, codec: Codec, swim_: swim.Swim) -> None:
         self.me = me
         self.local = local
         self.codec = codec
-        self.incarnation = incarnation
+        self.swim = swim_
         self._loop_seen = time.monotonic()
         self._acked: set[tuple[str, int]] = set()  # (sender, seq) of pings answered
         self.sent = 0
+        self.refuted = 0
 
     def came_round(self) -> None:
         self._loop_seen = time.monotonic()
 
     def answer(self, m: pb.GossipMessage, send: Callable[[str, bytes], None]) -> None:
-        if m.kind != swim.PING or m.node_id == self.local.node_id:
+        if m.node_id == self.local.node_id or time.monotonic() - self._loop_seen > WEDGED:
             return  # (a host with our own node id is not answered: Membership.receive)
-        if time.monotonic() - self._loop_seen > WEDGED:
+        refuted = False
+        for u in m.updates:
+            if u.node == self.me and self.swim.refute(swim.Update(u.node, u.state,
+                                                                  u.incarnation)):
+                refuted = True
+                self.refuted += 1
+        if m.kind == swim.PING:
+            out = swim.Message(swim.ACK, seq=m.seq, target=self.me)
+        elif refuted:
+            out = swim.Message(swim.GOSSIP)  # (the refutation is its incarnation)
+        else:
             return
-        ack = swim.Message(swim.ACK, seq=m.seq, incarnation=self.incarnation(), target=self.me)
-        send(m.from_node, self.codec.seal(_datagram(self.me, self.local, ack), m.from_node))
-        if len(self._acked) > 4096:  # (pings the loop never answered: a stranger's)
-            self._acked.clear()
-        self._acked.add((m.from_node, m.seq))
-        self.sent += 1
+        out = swim.Message(out.kind, out.seq, self.swim.incarnation, out.target)
+        send(m.from_node, self.codec.seal(_datagram(self.me, self.local, out), m.from_node))
+        if m.kind == swim.PING:
+            if len(self._acked) > 4096:  # (pings the loop never answered: a stranger's)
+                self._acked.clear()
+            self._acked.add((m.from_node, m.seq))
+            self.sent += 1
+
+    def counts(self) -> dict[str, int]:
+        return {"quick_acks": self.sent, "quick_refutations": self.refuted}
 
     def covers(self, dst: str, msg: swim.Message) -> bool:
         """Whether the loop's `msg` to `dst` is an ack sent already, with no news."""
@@ -309,7 +325,7 @@ class Membership:
         self.swim = swim.Swim(me, [], self, self._rng, config, partners=self._partners,
                               now=time.monotonic(), incarnation=time.time_ns() // 10**6)
         self.codec = Codec(me, secret)
-        self.quick = QuickAcks(me, self.local, self.codec, lambda: self.swim.incarnation)
+        self.quick = QuickAcks(me, self.local, self.codec, self.swim)
         self.endpoint: Endpoint[pb.GossipMessage] | _Unbound = _Unbound()  # bound by open()
         # The placement ring as of a membership version (-1: not made yet).
         self._ring: tuple[int, list[str], dict[str, str]] = (-1, [], {})
@@ -766,10 +782,9 @@ class Membership:
         out: dict[str, object] = {"swim": self.swim.status()}
         if self.endpoint.bound:
             e = self.endpoint
-            out["datagrams"] = {"sent": e.sent, "received": e.received,
-                                "bytes_sent": e.bytes_sent, "bytes_received": e.bytes_received,
-                                "send_errors": e.send_errors, "quick_acks": self.quick.sent,
-                                "dropped": vars(self.codec.dropped)}
+            out["datagrams"] = {"sent": e.sent, "received": e.received, "bytes_sent": e.bytes_sent,
+                                "bytes_received": e.bytes_received, "send_errors": e.send_errors,
+                                **self.quick.counts(), "dropped": vars(self.codec.dropped)}
         return out
 
     def stub_for(self, addr: str) -> pb_grpc.PeerStub:

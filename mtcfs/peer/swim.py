@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -182,6 +183,7 @@ class Swim:
         restarted host overrides what others hold of its previous life at once)."""
         self.me = me
         self.incarnation = incarnation
+        self._refuting = threading.Lock()  # refute() may be called from another thread
         self.config = config or SwimConfig()
         self.listener = listener
         self.rng = rng
@@ -506,13 +508,28 @@ class Swim:
             del self._news[node]
         self.counters.death_news_dropped += 1
 
+    def refute(self, u: Update) -> bool:
+        """If `u` suspects this host at its incarnation: take a higher one at once; the
+        next message it sends refutes (its receivers learn the incarnation and spread
+        it). The only call allowed from another thread: a daemon's datagram thread
+        refutes while its event loop is busy (mtcfs.peer.membership.QuickAcks)."""
+        with self._refuting:
+            if u.node != self.me or u.state != SUSPECT or u.incarnation < self.incarnation:
+                return False
+            self.incarnation = u.incarnation + 1
+            self.counters.refutations += 1
+            return True
+
     def _learn(self, u: Update, now: float) -> None:
         if u.node == self.me:
-            if u.state != ALIVE and u.incarnation >= self.incarnation or \
-                    u.incarnation > self.incarnation:
+            with self._refuting:  # (not to go back below what refute() took)
+                refute = (u.state != ALIVE and u.incarnation >= self.incarnation
+                          or u.incarnation > self.incarnation)
+                if refute:
+                    self.incarnation = u.incarnation + 1
+            if refute:
                 # Suspected or declared dead (or a previous life was alive at a higher
                 # incarnation): refute with a higher incarnation.
-                self.incarnation = u.incarnation + 1
                 self.counters.refutations += 1
                 self._unhealthy()  # others found us slow
                 self._spread(Update(self.me, ALIVE, self.incarnation))

@@ -1,7 +1,7 @@
 """A daemon's event loop busy for seconds (every host of a job saving at once on two
-cores) still answers SWIM's pings at once: the thread that reads the datagrams
-answers them (membership.QuickAcks), so that SWIM suspects hosts that are gone, not
-hosts that are busy.
+cores) still answers SWIM's pings and refutes suspicions at once: the thread that
+reads the datagrams does (membership.QuickAcks), so that SWIM finds dead the hosts
+that are gone, not the hosts that are busy.
 
 The real `Membership` runs in a trio loop of its own thread, over real UDP sockets
 on loopback with the job's key; a UDP socket of the test is its one peer and
@@ -50,9 +50,11 @@ class Peer:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def say(self, kind: int, seq: int, target: str = "") -> None:
+    def say(self, kind: int, seq: int, target: str = "",
+            updates: tuple[pb.MemberUpdate, ...] = ()) -> None:
         m = pb.GossipMessage(from_node=self.addr, kind=kind, seq=seq,
-                             incarnation=self.incarnation, target=target, node_id="node-fake")
+                             incarnation=self.incarnation, target=target, node_id="node-fake",
+                             updates=updates)
         host, port = self.host.rsplit(":", 1)
         self.sock.sendto(self.codec.seal(m, self.host), (host, int(port)))
 
@@ -69,8 +71,8 @@ class Peer:
                 continue
             if m.kind == swim.PING:
                 self.say(swim.ACK, m.seq, target=self.addr)
-            elif m.kind == swim.ACK and m.seq >= 1000:  # answers to the test's pings
-                self.acks.put((time.monotonic(), m))
+            elif m.kind == swim.ACK and m.seq >= 1000 or m.kind == swim.GOSSIP:
+                self.acks.put((time.monotonic(), m))  # answers to the test's messages
 
     def acks_of(self, seq: int, within: float) -> list[tuple[float, pb.GossipMessage]]:
         out = []
@@ -190,3 +192,28 @@ def test_a_wedged_loop_answers_no_ping_until_it_comes_round(
     peer.say(swim.PING, 1002)
     assert peer.acks_of(1002, within=1.0)
     assert host.members.quick.sent == sent_before + 1
+
+
+def test_a_busy_loop_refutes_a_suspicion_at_once(pair: tuple[Host, Peer]) -> None:
+    host, peer = pair
+    was = host.members.swim.incarnation
+    refutations = host.members.swim.status()["refutations"]
+    suspect = (pb.MemberUpdate(node=host.addr, state=swim.SUSPECT, incarnation=was),)
+    until = host.busy(BUSY_S)
+    time.sleep(0.2)
+    # On a ping: its quick ack carries the higher incarnation (the refutation).
+    peer.say(swim.PING, 1003, updates=suspect)
+    acks = peer.acks_of(1003, within=1.0)
+    assert acks and acks[0][0] < until - 0.5, "not answered while the loop was held"
+    assert acks[0][1].incarnation == was + 1, acks[0][1]
+    # On another message (gossip): answered with a message at that incarnation too.
+    suspect = (pb.MemberUpdate(node=host.addr, state=swim.SUSPECT, incarnation=was + 1),)
+    peer.say(swim.GOSSIP, 0, updates=suspect)
+    answered = peer.acks_of(0, within=1.0)
+    assert answered and answered[0][0] < until - 0.5
+    assert answered[0][1].kind == swim.GOSSIP and answered[0][1].incarnation == was + 2
+    # Once back, the loop does not refute the same suspicions again.
+    time.sleep(until - time.monotonic() + 1.0)
+    assert host.members.swim.incarnation == was + 2
+    assert host.members.swim.status()["refutations"] == refutations + 2
+    assert host.members.status()["datagrams"]["quick_refutations"] == 2
