@@ -212,3 +212,36 @@ def test_a_host_whose_loop_runs_late_slows_down_and_recovers() -> None:
     run(120.0, swim.TICK)
     assert a.health == 0
     assert all(a.state_of(n) == swim.ALIVE for n in "bcd")
+
+
+def test_the_time_a_host_was_away_does_not_count_against_its_suspects() -> None:
+    """Every host of a job starved at once (a save on few cores): a suspect's refutation
+    is held up in other hosts' loops as long as the suspecting host's timers were in
+    its own. A tick that comes late moves the suspects' deadlines by its lateness."""
+    def suspecting(seed: int) -> tuple[swim.Swim, float]:
+        a = swim.Swim("a", ["b", "c"], swim.Recorder(), random.Random(seed))
+        a.tick(1.0)
+        a.on_message("b", swim.Message(swim.GOSSIP, updates=(swim.Update("c", swim.SUSPECT,
+                                                                          0),)), 1.0)
+        assert a.state_of("c") == swim.SUSPECT
+        return a, a.members["c"].suspect_deadline
+
+    # On time: dead at its deadline.
+    a, deadline = suspecting(4)
+    t = 1.0
+    while t < deadline + swim.TICK:
+        t += swim.TICK
+        a.on_message("b", swim.Message(swim.ACK, seq=0, target="b"), t)  # (b answers)
+        a.tick(t)
+    assert a.state_of("c") == swim.DEAD
+    # Away 10 s (its loop busy) past that deadline: still a suspect when it comes back,
+    # so the refutation that comes next is in time.
+    a, deadline = suspecting(4)
+    late = a.status()["late_ticks"]
+    back = deadline + 10.0
+    a.tick(back)
+    assert a.state_of("c") == swim.SUSPECT
+    assert a.members["c"].suspect_deadline > back  # (moved by the ~12 s it was away)
+    assert a.status()["late_ticks"] == late + 1
+    a.on_message("c", swim.Message(swim.GOSSIP, incarnation=1), back + 0.1)
+    assert a.state_of("c") == swim.ALIVE

@@ -39,7 +39,8 @@ refinements of HashiCorp memberlist where noted):
   not slow down.) Its probe interval, ack timeout, probe deadline and the
   time it gives its own suspects before declaring them dead are multiplied
   by score + 1: an overloaded host stops accusing healthy ones, and healthy
-  hosts judge it on their own timers.
+  hosts judge it on their own timers. And a late tick moves its suspects'
+  deadlines by its lateness: the time it was away does not count.
 
 So per host and per second: about 1/period + 1/partner_period probes, their
 acks, and a bounded amount of gossip, whatever the number of hosts.
@@ -332,6 +333,11 @@ class Swim:
         if now - expected > cfg.late_tick:
             self.counters.late_ticks += 1
             self._unhealthy()
+            # The time this host was away (its loop busy) does not count against its
+            # suspects: when every host is starved at once, their refutations were
+            # held up in others' loops as long as our timers were in ours.
+            for node in self._suspects:
+                self.members[node].suspect_deadline += now - expected
         self._last_tick = now
         scale = self._scale()
         if now >= self._next_probe:
