@@ -260,13 +260,23 @@ class QuickAcks:
         self._acked: set[tuple[str, int]] = set()  # (sender, seq) of pings answered
         self.sent = 0
         self.refuted = 0
+        self.wedged = False  # the loop did not come round for WEDGED (logged once)
 
     def came_round(self) -> None:
+        if self.wedged:
+            self.wedged = False
+            log.warning("the event loop came round again: pings answered at once again")
         self._loop_seen = time.monotonic()
 
     def answer(self, m: pb.GossipMessage, send: Callable[[str, bytes], None]) -> None:
-        if m.node_id == self.local.node_id or time.monotonic() - self._loop_seen > WEDGED:
+        if m.node_id == self.local.node_id:
             return  # (a host with our own node id is not answered: Membership.receive)
+        if time.monotonic() - self._loop_seen > WEDGED:
+            if not self.wedged:
+                self.wedged = True
+                log.warning("the event loop has not come round for %.0f s: pings are left "
+                            "to it (this host may be found dead)", WEDGED)
+            return
         refuted = False
         for u in m.updates:
             if u.node == self.me and self.swim.refute(swim.Update(u.node, u.state,

@@ -175,7 +175,8 @@ def test_a_busy_loop_answers_pings_at_once_and_once(pair: tuple[Host, Peer]) -> 
 
 
 def test_a_wedged_loop_answers_no_ping_until_it_comes_round(
-        pair: tuple[Host, Peer], monkeypatch: pytest.MonkeyPatch) -> None:
+        pair: tuple[Host, Peer], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     host, peer = pair
     monkeypatch.setattr(membership, "WEDGED", 1.0)
     until = host.busy(BUSY_S)
@@ -185,6 +186,8 @@ def test_a_wedged_loop_answers_no_ping_until_it_comes_round(
     assert acks, "the loop did not answer once back"
     assert acks[0][0] >= until - 0.05, "a wedged loop's ping was answered quickly"
     assert len(acks) == 1  # the loop's own ack: no quick one before it
+    assert "has not come round for 1 s" in caplog.text
+    assert "came round again" in caplog.text
     # Back to quick answers once it came round (WEDGED as the daemon has it: an idle
     # loop comes round about once a second).
     monkeypatch.setattr(membership, "WEDGED", 20.0)
