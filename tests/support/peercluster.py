@@ -50,7 +50,8 @@ def silence(h: Host) -> None:
     p = h.mount.peers
     assert p is not None and p.server is not None
     p.members._send = lambda out: None
-    p.members.receive = lambda data, now: None
+    p.members.on_datagram = lambda m, now: None
+    p.members.endpoint.close()  # (its datagram thread answers pings too)
     p.server.stop(0)
 
 
