@@ -284,14 +284,13 @@ class QuickAcks:
                 refuted = True
                 self.refuted += 1
         if m.kind == swim.PING:
-            out = swim.Message(swim.ACK, seq=m.seq, target=self.me)
-        elif refuted:
-            out = swim.Message(swim.GOSSIP)  # (the refutation is its incarnation)
+            out = swim.Message(swim.ACK, m.seq, self.swim.incarnation, self.me)
+        elif refuted:  # (the refutation is the message's incarnation)
+            out = swim.Message(swim.GOSSIP, incarnation=self.swim.incarnation)
         else:
             return
-        out = swim.Message(out.kind, out.seq, self.swim.incarnation, out.target)
         send(m.from_node, self.codec.seal(_datagram(self.me, self.local, out), m.from_node))
-        if m.kind == swim.PING:
+        if out.kind == swim.ACK:
             if len(self._acked) > 4096:  # (pings the loop never answered: a stranger's)
                 self._acked.clear()
             self._acked.add((m.from_node, m.seq))
@@ -773,8 +772,9 @@ class Membership:
 
     async def _receive_loop(self) -> None:
         while True:
-            for m in await self.endpoint.receive():
-                self.quick.came_round()
+            got = await self.endpoint.receive()
+            self.quick.came_round()
+            for m in got:
                 self.on_datagram(m, time.monotonic())
 
     def _watch_file(self) -> None:

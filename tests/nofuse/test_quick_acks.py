@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -37,8 +38,6 @@ class Peer:
     the test with their arrival time."""
 
     def __init__(self, token: bytes) -> None:
-        import socket
-
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.2)
