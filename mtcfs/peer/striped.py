@@ -4,7 +4,9 @@ The file's blocks are cut into stripes (runs of a few blocks) in one queue, in
 file order, so readers waiting at the start are served first; a reader that
 waits elsewhere (a ranged read of a large file: a resharded load reads slices)
 moves the queue's head there: the stripe it waits for is taken next, and the
-ones after it, before those the queue held before it. Each holder gets
+ones after it, before those the queue held before it. The stripe it waits in is
+cut at its block: a 4 MiB read far into a file waits for one block, not for the
+blocks of its stripe in front of it. Each holder gets
 a few workers (one data connection each) that take the next stripe off the
 queue: a fast holder takes more of them. A holder whose transfer fails, stalls
 (STALL_TIMEOUT without a byte: a stopped or cut-off host) or sends a block that
@@ -77,14 +79,19 @@ class Striped(Generic[H]):
         return {n: b for n, b in self.bytes_by.items() if b}
 
     def _take(self) -> tuple[int, int]:
-        """The next stripe: the first at or after the block a reader waits at, else
-        the queue's head."""
+        """The next stripe: the one a reader waits in, from the block it waits at (the
+        blocks before that stay queued), or the first after it; else the queue's head."""
         at = self.focus()
-        if at is not None and self.todo[0][1] <= at:
-            for i, stripe in enumerate(self.todo):
-                if stripe[1] > at:
+        if at is not None:
+            for i, (first, last) in enumerate(self.todo):
+                if last > at:
+                    if first >= at and i == 0:
+                        break  # the head is where the reader waits: file order
+                    if first < at:
+                        self.todo[i] = (first, at)
+                        return at, last
                     del self.todo[i]
-                    return stripe
+                    return first, last
         return self.todo.popleft()
 
     async def _worker(self, h: H) -> None:
