@@ -3,8 +3,9 @@ change here, the broadcaster takes them in batches (mtcfs.peer.dissemination).
 Built before both, so that neither is wired to the other after construction.
 
 Each change says how long it may wait for others to share its batch: a batch
-costs every host a gRPC call, an apply and an ack whatever it carries, so the
-closes of a save's files leave together (GATHER), and the announcement that a
+costs every host a gRPC call, an apply and an ack whatever it carries, so a
+save's step directory and the closes of its files leave together (GATHER,
+DIRECTORY_GATHER, GATHER_MOST), and the announcement that a
 replica landed rides with the next batch or after ANNOUNCE. A commit takes
 everything at once (the broadcaster's wait_applied), so no wait here delays
 what the commit rule promises.
@@ -13,19 +14,28 @@ what the commit rule promises.
 from __future__ import annotations
 
 import math
+import stat
 import time
 
 import trio
 
 from mtcfs.peer.v1 import peer_pb2 as pb
 
-# Seconds a change waits at most for the changes made with it: a plain close is
-# seen elsewhere within milliseconds, and a step's files share a batch or two.
+# Seconds a change waits for the next one (a file's close: seen elsewhere within
+# milliseconds), a directory's for the changes made in it (a save makes its step
+# directory, then closes its files one after the other: one batch, one tree for
+# every host, not one for the directory and one for its files), and at most after
+# the first change that waits.
 GATHER = 0.02
+DIRECTORY_GATHER = 0.1
+GATHER_MOST = 0.25
 # ... and an announcement of where copies are (a replica landed): a commit sends
 # it at once, and the holders of a dead writer's replicas announce them again
 # (ReplicatedIndex.announce_replicas_of), so a save's pushes share one batch.
 ANNOUNCE = 1.0
+# ... each one starting that wait again (a save's replicas land over a second or
+# two on a busy job: one batch, not three), at most this long after the first.
+ANNOUNCE_MOST = 3.0
 
 
 class Outbox:
@@ -33,11 +43,25 @@ class Outbox:
         self.changes: list[pb.Entry] = []  # (in the order made: parents first)
         self.announcements: list[pb.Entry] = []
         self.due = math.inf  # time.monotonic() by which the waiting entries must leave
+        self._first = math.inf  # when the oldest waiting change was put
+        self._changes_due = math.inf
+        self._announce_first = math.inf
+        self._announce_due = math.inf
         self._ready = trio.Event()
 
     def put(self, entries: list[pb.Entry]) -> None:
-        """Queue changes for every host: they leave in a batch within GATHER."""
-        self._queue(self.changes, entries, GATHER)
+        """Queue changes for every host: they leave in a batch GATHER after the last
+        change (DIRECTORY_GATHER after a directory's), at most GATHER_MOST after the
+        first."""
+        if entries:
+            now = time.monotonic()
+            gather = (DIRECTORY_GATHER if any(stat.S_ISDIR(e.mode) for e in entries)
+                      else GATHER)
+            if self._first == math.inf:
+                self._first, self._changes_due = now, now + gather
+            self._changes_due = min(self._first + GATHER_MOST,
+                                    max(self._changes_due, now + gather))
+            self._queue(self.changes, entries)
 
     def supersede(self, entries: list[pb.Entry]) -> None:
         """This host changed these files since it announced copies of them: a waiting
@@ -68,17 +92,21 @@ class Outbox:
 
     def announce(self, entries: list[pb.Entry]) -> None:
         """Queue announcements of copies: they leave with the next batch, or in one of
-        their own within ANNOUNCE."""
-        self._queue(self.announcements, entries, ANNOUNCE)
-
-    def _queue(self, into: list[pb.Entry], entries: list[pb.Entry], within: float) -> None:
+        their own ANNOUNCE after the last, at most ANNOUNCE_MOST after the first."""
         if entries:
-            for e in entries:
-                for h in e.dropped:
-                    self.dropped(e.id, h)
-            into.extend(entries)
-            self.due = min(self.due, time.monotonic() + within)
-            self._ready.set()
+            now = time.monotonic()
+            if not self.announcements:
+                self._announce_first = now
+            self._announce_due = min(self._announce_first + ANNOUNCE_MOST, now + ANNOUNCE)
+            self._queue(self.announcements, entries)
+
+    def _queue(self, into: list[pb.Entry], entries: list[pb.Entry]) -> None:
+        for e in entries:
+            for h in e.dropped:
+                self.dropped(e.id, h)
+        into.extend(entries)
+        self.due = min(self._changes_due, self._announce_due)
+        self._ready.set()
 
     def take(self, most: int) -> list[pb.Entry]:
         """The oldest `most` entries waiting, changes first (removed from the outbox):
@@ -88,8 +116,11 @@ class Outbox:
             more = most - len(part)
             part += self.announcements[:more]
             self.announcements = self.announcements[more:]
-        if not self.changes and not self.announcements:
-            self.due = math.inf
+        if not self.changes:
+            self._first = self._changes_due = math.inf
+        if not self.announcements:
+            self._announce_due = math.inf
+        self.due = min(self._changes_due, self._announce_due)
         return part
 
     def count(self) -> int:
@@ -112,7 +143,7 @@ class Outbox:
 class Nowhere(Outbox):
     """An index whose changes go nowhere (tools and tests that drive one index)."""
 
-    def _queue(self, into: list[pb.Entry], entries: list[pb.Entry], within: float) -> None:
+    def _queue(self, into: list[pb.Entry], entries: list[pb.Entry]) -> None:
         pass
 
 

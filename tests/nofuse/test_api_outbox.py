@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import time
 
 import pytest
 import trio
 
-from mtcfs.peer.outbox import ANNOUNCE, GATHER, Outbox
+from mtcfs.peer import outbox
+from mtcfs.peer.outbox import ANNOUNCE, ANNOUNCE_MOST, DIRECTORY_GATHER, GATHER, GATHER_MOST, Outbox
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 from support.inprocess import until
@@ -41,6 +43,55 @@ async def test_changes_leave_before_announcements_and_each_kind_has_its_due() ->
     assert box.count() == 1 and box.due < math.inf  # the announcement still waits
     assert [e.id for e in box.take(5)] == ["held"]
     assert box.count() == 0 and box.due == math.inf
+
+
+async def test_a_saves_changes_gather_until_a_pause_at_most_gather_most(monkeypatch) -> None:
+    """A save makes its directory, then closes its files one after the other: a
+    directory waits DIRECTORY_GATHER for what is made in it, each change moves the
+    batch's time to at least GATHER after it, never past GATHER_MOST after the first,
+    so the directory and the files closed in it leave as one batch (one tree for
+    every host, not one for the directory and one for the files)."""
+    now = [100.0]
+    monkeypatch.setattr(outbox.time, "monotonic", lambda: now[0])
+    box = Outbox()
+    box.put([pb.Entry(id="step", mode=stat.S_IFDIR | 0o755)])
+    assert box.due == 100.0 + DIRECTORY_GATHER
+    now[0] += GATHER / 2  # the first file closed: the directory's wait stands
+    box.put([pb.Entry(id="f0", mode=stat.S_IFREG | 0o644)])
+    assert box.due == 100.0 + DIRECTORY_GATHER
+    box.announce([pb.Entry(id="held")])  # an announcement does not move it
+    assert box.due == 100.0 + DIRECTORY_GATHER
+    while now[0] + GATHER * 0.8 < 100.0 + GATHER_MOST:
+        now[0] += GATHER * 0.8
+        box.put([pb.Entry(id="f", mode=stat.S_IFREG | 0o644)])
+        assert box.due == min(max(100.0 + DIRECTORY_GATHER, now[0] + GATHER),
+                              100.0 + GATHER_MOST)
+    assert box.due == 100.0 + GATHER_MOST  # a trainer that never pauses is not held
+    taken = box.take(100)
+    assert [e.id for e in taken[:2]] == ["step", "f0"] and taken[-1].id == "held"
+    assert box.count() == 0 and box.due == math.inf
+    box.put([pb.Entry(id="next", mode=stat.S_IFREG | 0o644)])  # a file alone: GATHER
+    assert box.due == now[0] + GATHER
+
+
+async def test_a_saves_announcements_gather_until_a_pause_at_most_announce_most(
+        monkeypatch) -> None:
+    """A save's replicas land over a second or two on a busy job: each announcement
+    starts ANNOUNCE again, never past ANNOUNCE_MOST after the first (one batch for
+    them, not three)."""
+    now = [100.0]
+    monkeypatch.setattr(outbox.time, "monotonic", lambda: now[0])
+    box = Outbox()
+    box.announce([pb.Entry(id="r0")])
+    assert box.due == 100.0 + ANNOUNCE
+    for i in range(1, 8):
+        now[0] += 0.6
+        box.announce([pb.Entry(id=f"r{i}")])
+        assert box.due == min(now[0] + ANNOUNCE, 100.0 + ANNOUNCE_MOST)
+    assert box.due == 100.0 + ANNOUNCE_MOST
+    assert [e.id for e in box.take(100)] == [f"r{i}" for i in range(8)]
+    box.announce([pb.Entry(id="later")])  # a new wait starts with the next one
+    assert box.due == now[0] + ANNOUNCE
 
 
 async def test_a_change_takes_the_persisted_state_from_an_older_announcement() -> None:
