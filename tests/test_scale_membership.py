@@ -157,8 +157,10 @@ def test_replica_partners_notice_a_death_first_and_within_the_bound() -> None:
                                    30.0, 0.05) is not None
     cfg = swim.SwimConfig()
     # A partner probes every partner_period and suspects a period after a probe that got
-    # no answer; dead one suspicion timeout later (plus the ticks that drive the timers).
-    bound = cfg.partner_period + cfg.period + cfg.suspicion_timeout(n) + 2 * swim.TICK
+    # no answer; dead one suspicion timeout and one last unanswered ping later (plus
+    # the ticks that drive the timers).
+    bound = (cfg.partner_period + cfg.period + cfg.suspicion_timeout(n)
+             + cfg.probe_deadline() + 3 * swim.TICK)
     first = min(x.marked_dead[victim] for x in live) - t_kill
     for p in partners:
         assert net.hosts[p].marked_dead[victim] - t_kill <= bound
@@ -226,14 +228,16 @@ def test_the_time_a_host_was_away_does_not_count_against_its_suspects() -> None:
         assert a.state_of("c") == swim.SUSPECT
         return a, a.members["c"].suspect_deadline
 
-    # On time: dead at its deadline.
+    # On time: pinged a last time at its deadline, dead one probe later (no answer).
     a, deadline = suspecting(4)
     t = 1.0
-    while t < deadline + swim.TICK:
+    last_probe = swim.SwimConfig().probe_deadline() * (a.health + 1)  # (as unhealthy)
+    while t < deadline + last_probe + swim.TICK:
         t += swim.TICK
         a.on_message("b", swim.Message(swim.ACK, seq=0, target="b"), t)  # (b answers)
         a.tick(t)
     assert a.state_of("c") == swim.DEAD
+    assert a.status()["last_pings"] == 1
     # Away 10 s (its loop busy) past that deadline: still a suspect when it comes back,
     # so the refutation that comes next is in time.
     a, deadline = suspecting(4)
@@ -245,3 +249,33 @@ def test_the_time_a_host_was_away_does_not_count_against_its_suspects() -> None:
     assert a.status()["late_ticks"] == late + 1
     a.on_message("c", swim.Message(swim.GOSSIP, incarnation=1), back + 0.1)
     assert a.state_of("c") == swim.ALIVE
+
+
+def test_a_suspect_is_pinged_a_last_time_and_refutes_in_its_answer() -> None:
+    """Every host starved at once: a suspect's refutation travels as gossip through
+    other hosts' busy loops and may not come round before the suspicion runs out.
+    Before its verdict the suspect gets one ping of the suspecting host's own, which
+    carries the suspicion; its answer (a daemon's datagram thread answers at once)
+    refutes it. One that does not answer is dead one probe later."""
+    cfg = swim.SwimConfig()
+    a = swim.Swim("a", ["b", "c"], swim.Recorder(), random.Random(4))
+    a.tick(1.0)
+    a.on_message("b", swim.Message(swim.GOSSIP, updates=(swim.Update("c", swim.SUSPECT,
+                                                                      0),)), 1.0)
+    deadline = a.members["c"].suspect_deadline
+    t, last = 1.0, []
+    while not last:
+        t += swim.TICK
+        assert t < deadline + 2 * swim.TICK, "no last ping at the deadline"
+        out = a.tick(t)
+        last = [m for dst, m in out if dst == "c" and m.kind == swim.PING
+                and swim.Update("c", swim.SUSPECT, 0) in m.updates]
+    assert t >= deadline and a.state_of("c") == swim.SUSPECT
+    # c's answer: the ack at a higher incarnation (it refuted on reading the ping).
+    a.on_message("c", swim.Message(swim.ACK, seq=last[0].seq, incarnation=1, target="c"),
+                 t + 0.01)
+    for _ in range(round(3 * cfg.probe_deadline() / swim.TICK)):
+        t += swim.TICK
+        a.tick(t)
+    assert a.state_of("c") == swim.ALIVE and a.incarnation_of("c") == 1
+    assert a.status()["deaths"] == 0 and a.status()["last_pings"] == 1

@@ -131,6 +131,7 @@ class _Member:
     state: int
     incarnation: int
     suspect_deadline: float = 0.0
+    asked: bool = False  # its suspicion ran out once: pinged a last time
 
 
 # The configured members not heard of since the start share one record, copied
@@ -166,6 +167,7 @@ class Counters:
     refutations: int = 0
     deaths: int = 0
     late_ticks: int = 0
+    last_pings: int = 0  # suspects pinged a last time before the verdict
     death_news_dropped: int = 0  # a host we held dead spoke: our deaths news dropped
 
 
@@ -371,7 +373,20 @@ class Swim:
             if now >= r.expires:
                 del self._relays[seq]
         for node in [n for n in self._suspects if now >= self.members[n].suspect_deadline]:
-            self._learn(Update(node, DEAD, self.members[node].incarnation), now)
+            m = self.members[node]
+            if m.asked:
+                self._learn(Update(node, DEAD, m.incarnation), now)
+                continue
+            # Before the verdict, one ping of its own, which carries the suspicion: a
+            # host whose refutation is stuck in other hosts' busy loops (every host
+            # starved at once by a save) refutes in its answer, at once; a dead one
+            # is dead one probe later.
+            m.asked = True
+            within = cfg.probe_deadline() * scale
+            m.suspect_deadline = now + within
+            self.counters.last_pings += 1
+            if not any(p.target == node for p in self._probes.values()):
+                out.append(self._ping(node, now, within, evidence=True))
         if self._news and now >= self._next_gossip:
             self._next_gossip = now + cfg.gossip_interval
             live = self._live
@@ -466,6 +481,7 @@ class Swim:
             self._index(u.node, was, u.state)
             if u.state == SUSPECT:
                 m.suspect_deadline = now + self.config.suspicion_timeout(self.size())
+                m.asked = False
             if was == DEAD and u.state != DEAD:
                 self.listener.member_alive(u.node)
             elif u.state == DEAD and was != DEAD:
@@ -571,6 +587,7 @@ class Swim:
             # An unhealthy host gives its suspects longer: it may be the slow one.
             m.suspect_deadline = now + self.config.suspicion_timeout(self.size()) * \
                 self._scale()
+            m.asked = False
         self._spread(u)
         if was == DEAD and u.state != DEAD:
             self.listener.member_alive(u.node)
