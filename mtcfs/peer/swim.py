@@ -15,7 +15,10 @@ refinements of HashiCorp memberlist where noted):
   `indirect` other members to ping the target for it (PING_REQ); no ack by the
   end of the period: the target is SUSPECT.
 - A suspect that does not refute within `suspicion_timeout` (grows with
-  log10 N, as memberlist's) is DEAD. A host that hears it is suspected or dead
+  log10 N, as memberlist's) is pinged a last time, the suspicion carried in
+  the ping, and is DEAD when that gets no answer by the probe deadline (a
+  starved host's refutation spread as gossip may not come round in time; its
+  answer to the last ping refutes). A host that hears it is suspected or dead
   refutes by raising its incarnation number: ALIVE at a higher incarnation
   overrides SUSPECT and DEAD at a lower one.
 - Replica partners (the hosts this one replicates to and the hosts that
