@@ -43,7 +43,7 @@ class Outbox:
         self.changes: list[pb.Entry] = []  # (in the order made: parents first)
         self.announcements: list[pb.Entry] = []
         self.due = math.inf  # time.monotonic() by which the waiting entries must leave
-        self._first = math.inf  # when the oldest waiting change was put
+        self._changes_first = math.inf  # when the oldest waiting change was put
         self._changes_due = math.inf
         self._announce_first = math.inf
         self._announce_due = math.inf
@@ -57,9 +57,9 @@ class Outbox:
             now = time.monotonic()
             gather = (DIRECTORY_GATHER if any(stat.S_ISDIR(e.mode) for e in entries)
                       else GATHER)
-            if self._first == math.inf:
-                self._first, self._changes_due = now, now + gather
-            self._changes_due = min(self._first + GATHER_MOST,
+            if self._changes_first == math.inf:
+                self._changes_first, self._changes_due = now, now + gather
+            self._changes_due = min(self._changes_first + GATHER_MOST,
                                     max(self._changes_due, now + gather))
             self._queue(self.changes, entries)
 
@@ -117,7 +117,7 @@ class Outbox:
             part += self.announcements[:more]
             self.announcements = self.announcements[more:]
         if not self.changes:
-            self._first = self._changes_due = math.inf
+            self._changes_first = self._changes_due = math.inf
         if not self.announcements:
             self._announce_due = math.inf
         self.due = min(self._changes_due, self._announce_due)
