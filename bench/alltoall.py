@@ -190,12 +190,12 @@ def run(n: int, *, seed: int, loss: float, steady: float, kills: int) -> dict[st
     for h in live:
         es = [simnet.entry(f"s-{h.node}-{k}", "root", f"{h.node}-{k}", 1, h.node)
               for k in range(FILES_PER_HOST)]
-        seqs[h.node] = h.publish(pb.ChangeBatch(from_node=h.node, entries=es))
+        seqs[h.node] = h.publish(pb.ChangeBatch(from_node=h.node, entries=es, waited=True))
     done = loop.run_until_true(lambda: all(hosts[x].complete(s) for x, s in seqs.items()),
                                120.0)
     out["fsync_s"] = None if done is None else done - t0 - steady
     tc = loop.now
-    rename = c.publish(pb.ChangeBatch(from_node=c.node, entries=[
+    rename = c.publish(pb.ChangeBatch(from_node=c.node, waited=True, entries=[
         simnet.entry("d", "root", "step_1", 2, c.node, is_dir=True)]))
     done = loop.run_until_true(lambda: c.complete(rename), 60.0, 0.001)
     out["commit_s"] = None if done is None else done - tc

@@ -153,7 +153,9 @@ class Scenario:
             self.step_have[key] = self.step_have.get(key, 0) + 1
             if self.step_have[key] == self.step_need[step]:
                 self.step_done[key] = self.loop.now
-            got = host.publish(pb.ChangeBatch(from_node=host.node, entries=entries))
+            # (each is an fsync's or a commit's: waited for)
+            got = host.publish(pb.ChangeBatch(from_node=host.node, entries=entries,
+                                              waited=True))
         assert got == seq
         return seq
 

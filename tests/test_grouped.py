@@ -62,6 +62,29 @@ def test_groups_are_about_the_square_root_of_the_hosts_from_64_on() -> None:
     assert group_size(5, 3) == 3 and group_size(10_000, 1) == 1
 
 
+def test_a_batch_a_commit_waits_for_lingers_less_at_its_leader() -> None:
+    """A leader gathers its group's batches for LINGER; once a batch that a commit or
+    an fsync waits for (ChangeBatch.waited) is among them, URGENT_LINGER."""
+    assert grouped.URGENT_LINGER < grouped.LINGER
+    net = Hosts(9, 3)
+    plain = net.publish("h1", 0.0)  # h0 leads h0-h2
+    net.tick(grouped.URGENT_LINGER)
+    assert not net.hosts["h1"].complete(plain)  # still gathered at h0
+    seq, out = net.hosts["h2"].publish(pb.ChangeBatch(from_node="h2", waited=True), 10,
+                                       grouped.URGENT_LINGER, urgent=True)
+    net.run(out, "h2", grouped.URGENT_LINGER)
+    net.tick(2 * grouped.URGENT_LINGER)  # well before LINGER
+    assert net.hosts["h2"].complete(seq) and net.hosts["h1"].complete(plain)
+    assert net.hosts["h0"].counters.bundles == 1  # one tree for both
+    for i in net.ids:
+        assert {("h1", plain), ("h2", seq)} <= set(net.got[i]) or i in ("h1", "h2")
+    # Its wire form says so too: a hand-over decoded at the leader is urgent.
+    from mtcfs.peer import wire
+    carry = Carry(grouped.Part("h2", 1, pb.ChangeBatch(from_node="h2", waited=True), 10, True))
+    _, back = wire.tree_from_pb(wire.tree_to_pb("h2", carry))
+    assert isinstance(back, Carry) and back.part.urgent
+
+
 def test_a_step_of_nine_hosts_in_groups_of_three_makes_three_trees() -> None:
     net = Hosts(9, 3)
     seqs = {i: net.publish(i, 0.0) for i in net.ids}

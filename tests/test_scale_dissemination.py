@@ -32,8 +32,9 @@ def test_a_batch_is_complete_once_every_live_host_has_it(tmp_path) -> None:
     net = simnet.cluster(200, seed=2, real_index=["h0000", "h0100"], root=str(tmp_path))
     net.loop.run_until(1.0)
     w = net.hosts["h0042"]
-    seq = w.publish(batch("h0042", simnet.entry("d1", "root", "step_1", 5, "h0042",
-                                                is_dir=True)))
+    b = batch("h0042", simnet.entry("d1", "root", "step_1", 5, "h0042", is_dir=True))
+    b.waited = True  # a commit's: its group leader lingers URGENT_LINGER only
+    seq = w.publish(b)
     t = net.loop.run_until_true(lambda: w.tree.complete(seq), 5.0, 0.001)
     assert t is not None and t - 1.0 < 0.1
     assert all(("h0042", seq) in h.batches for h in net.hosts.values())

@@ -323,10 +323,11 @@ class Broadcaster:
         applied it (False: some did not within --commit-timeout)."""
         return not await self.wait_applied(what)
 
-    def _flush(self) -> None:
+    def _flush(self, waited: bool = False) -> None:
+        """Everything waiting, in batches (`waited`: a commit waits for them)."""
         while self.outbox.count():
             self._publish(pb.ChangeBatch(from_node=self.node_id, lamport=self.index.clock,
-                                         entries=self.outbox.take(MAX_BATCH)))
+                                         entries=self.outbox.take(MAX_BATCH), waited=waited))
         self._notify()  # a batch to no one (no other host) is complete at once
 
     def _publish(self, batch: pb.ChangeBatch) -> None:
@@ -334,7 +335,8 @@ class Broadcaster:
         # none); so does a full batch (a catch-up's republication): a tree of its own
         # costs it little, and its bytes do not travel twice.
         own = batch.HasField("caught_up") or len(batch.entries) >= MAX_BATCH
-        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic(), own_tree=own)
+        _, out = self.tree.publish(batch, batch.ByteSize(), time.monotonic(), own_tree=own,
+                                   urgent=batch.waited)
         self.stats.batches_sent += 1
         self.stats.entries_sent += len(batch.entries)
         self._emit(out)
@@ -432,7 +434,7 @@ class Broadcaster:
     async def wait_applied(self, what: str) -> list[str]:
         """Return once every counted host has applied everything published so far, or
         after the commit timeout; returns the hosts that did not answer (logged)."""
-        self._flush()
+        self._flush(waited=True)
         mark = self.tree.published()
         if self.tree.completed >= mark:
             return []  # everything already applied everywhere: the common case is free

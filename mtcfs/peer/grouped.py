@@ -51,7 +51,13 @@ from mtcfs.peer import fanout
 from mtcfs.peer.fanout import DELIVERED_RETRY, Ack, Fanout, Forward
 
 RELAY_FROM = 64  # hosts: from this many on, groups of about sqrt(N) (below: no groups)
-LINGER = 0.01  # seconds a leader gathers its group's batches before its tree leaves
+# Seconds a leader gathers its group's batches before its tree leaves: a save's
+# batches leave their hosts within a few hundred ms (mtcfs.peer.outbox), and a
+# bundle of them is one tree for every host instead of one each. With a batch a
+# commit or an fsync waits for among them (Part.urgent), URGENT_LINGER: the
+# fsyncs of a job's hosts come at once and still share a tree.
+LINGER = 0.1
+URGENT_LINGER = 0.01
 TRIES = 3  # hand-overs to a leader before the writer sends it down its own tree
 MAX_PARTS = 1024  # batches one bundle carries at most (security bounds the entries)
 MAX_BYTES = 4 << 20  # ... and bytes
@@ -66,6 +72,7 @@ class Part:
     seq: int
     payload: object
     size: int
+    urgent: bool = False  # a commit waits for it: its leader does not linger
 
 
 @dataclass(eq=False, slots=True)
@@ -200,12 +207,12 @@ class GroupedFanout:
     # -- the writer --------------------------------------------------------------------
 
     def publish(self, payload: object, size: int, now: float,
-                own_tree: bool = False) -> tuple[int, Out]:
+                own_tree: bool = False, urgent: bool = False) -> tuple[int, Out]:
         """Send a batch of this host's to every live host, through its group's leader
-        unless `own_tree`. Returns its seq: `complete(seq)` once every live host
-        has applied it."""
+        unless `own_tree` (`urgent`: a commit waits for it). Returns its seq:
+        `complete(seq)` once every live host has applied it."""
         self._seq += 1
-        part = Part(self.me, self._seq, payload, size)
+        part = Part(self.me, self._seq, payload, size, urgent)
         leader = self.me if own_tree else self.leader()
         if leader != self.me:
             self._handed[self._seq] = _Handed(part, leader, now)
@@ -213,8 +220,9 @@ class GroupedFanout:
             return self._seq, [(leader, Carry(part))]
         if own_tree:
             return self._seq, self._send_down((part,), now)
-        # A leader's own batch waits LINGER for its group's (a step: all write at
-        # once), or leaves with those already waiting; without groups, at once.
+        # A leader's own batch waits LINGER (URGENT_LINGER) for its group's (a step:
+        # all write at once), or leaves with those already waiting; without groups,
+        # at once.
         waiting = bool(self._gathered)
         self._gather(part, now)
         if waiting or group_size(len(self.live()) + 1, self.group) <= 1:
@@ -239,8 +247,11 @@ class GroupedFanout:
     # -- the leader --------------------------------------------------------------------
 
     def _gather(self, part: Part, now: float) -> None:
-        if not self._gathered:
-            self.flush_at = now + LINGER
+        linger = URGENT_LINGER if part.urgent else LINGER
+        if not self._gathered or self.flush_at is None:
+            self.flush_at = now + linger
+        else:
+            self.flush_at = min(self.flush_at, now + linger)
         self._gathered.append(part)
         self._gathered_keys.add((part.origin, part.seq))
         self._gathered_bytes += part.size

@@ -44,7 +44,7 @@ def tree_from_pb(m: pb.TreeMessage) -> tuple[str, object]:
         return m.from_node, fanout.Ack(m.origin, m.seq, m.start, m.end)
     if m.carry:
         return m.from_node, grouped.Carry(grouped.Part(m.origin, m.seq, m.batch,
-                                                       m.batch.ByteSize()))
+                                                       m.batch.ByteSize(), m.batch.waited))
     if m.carried:
         return m.from_node, grouped.Carried(tuple(m.carried), m.held)
     size = m.batch.ByteSize()

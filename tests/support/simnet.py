@@ -390,7 +390,8 @@ class SimHost:
 
     def publish(self, batch: pb.ChangeBatch) -> int:
         t0 = self._clock()
-        seq, out = self.tree.publish(batch, batch.ByteSize(), self.net.loop.now)
+        seq, out = self.tree.publish(batch, batch.ByteSize(), self.net.loop.now,
+                                     urgent=batch.waited)
         self._applied(self.node, seq, batch)
         self._send(out, t0)
         return seq

@@ -115,20 +115,22 @@ class Link(_message.Message):
     def __init__(self, parent: _Optional[str] = ..., name: _Optional[bytes] = ...) -> None: ...
 
 class ChangeBatch(_message.Message):
-    __slots__ = ("from_node", "lamport", "entries", "caught_up", "coverage", "parts")
+    __slots__ = ("from_node", "lamport", "entries", "caught_up", "coverage", "parts", "waited")
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     LAMPORT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FIELD_NUMBER: _ClassVar[int]
     from_node: str
     lamport: int
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
     caught_up: CaughtUp
     coverage: Coverage
     parts: _containers.RepeatedCompositeFieldContainer[Part]
-    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., caught_up: _Optional[_Union[CaughtUp, _Mapping]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+    waited: bool
+    def __init__(self, from_node: _Optional[str] = ..., lamport: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., caught_up: _Optional[_Union[CaughtUp, _Mapping]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ..., waited: _Optional[bool] = ...) -> None: ...
 
 class Part(_message.Message):
     __slots__ = ("origin", "seq", "entries", "from_node", "lamport")
