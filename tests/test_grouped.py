@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mtcfs.peer import fanout, grouped, security
+from mtcfs.peer import fanout, grouped, security, wire
 from mtcfs.peer.grouped import Carried, Carry, GroupedFanout, group_size
 from mtcfs.peer.v1 import peer_pb2 as pb
 
@@ -79,7 +79,6 @@ def test_a_batch_a_commit_waits_for_lingers_less_at_its_leader() -> None:
     for i in net.ids:
         assert {("h1", plain), ("h2", seq)} <= set(net.got[i]) or i in ("h1", "h2")
     # Its wire form says so too: a hand-over decoded at the leader is urgent.
-    from mtcfs.peer import wire
     carry = Carry(grouped.Part("h2", 1, pb.ChangeBatch(from_node="h2", waited=True), 10, True))
     _, back = wire.tree_from_pb(wire.tree_to_pb("h2", carry))
     assert isinstance(back, Carry) and back.part.urgent

@@ -247,11 +247,9 @@ class GroupedFanout:
     # -- the leader --------------------------------------------------------------------
 
     def _gather(self, part: Part, now: float) -> None:
-        linger = URGENT_LINGER if part.urgent else LINGER
-        if not self._gathered or self.flush_at is None:
-            self.flush_at = now + linger
-        else:
-            self.flush_at = min(self.flush_at, now + linger)
+        # (None exactly while nothing is gathered: flush() clears both.)
+        due = now + (URGENT_LINGER if part.urgent else LINGER)
+        self.flush_at = due if self.flush_at is None else min(self.flush_at, due)
         self._gathered.append(part)
         self._gathered_keys.add((part.origin, part.seq))
         self._gathered_bytes += part.size
