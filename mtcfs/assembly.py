@@ -381,7 +381,8 @@ def _data_channel(opts: MountOptions) -> Any:
     listen = data_listen_address(opts)
 
     def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
-        return BulkServer(handler, in_trio(token), keys, listen, server_tls, verifier=verifier)
+        return BulkServer(handler, in_trio(token), keys, listen, server_tls, verifier=verifier,
+                          post=token.run_sync_soon)
 
     return DataChannel(BulkPool(keys, client_tls, opts.data_connections, verifier), server)
 

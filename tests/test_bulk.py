@@ -63,7 +63,11 @@ class Host:
         self.ram = ram
         self.held: dict[str, tuple[int, int]] = {}  # guid -> (ino, size)
         self.stored: list[str] = []
+        self.trees: list[tuple[pb.TreeMessage, bool]] = []  # tree messages, as taken
         self._lock = threading.Lock()
+
+    def on_tree(self, m: pb.TreeMessage, reply: bool = True) -> None:
+        self.trees.append((m, reply))
 
     def run(self, fn, *args):  # the daemon runs these in its trio thread: one at a time
         with self._lock:
@@ -578,6 +582,52 @@ def held_by(m: MtcfsMount, crc: int, size: int) -> bool:
     return any(p.stat().st_size == size and file_crc(p) == crc for p in data_files(m.ram_dir))
 
 
+def tree_message(seq: int, **kw) -> pb.TreeMessage:
+    return pb.TreeMessage(from_node="127.0.0.1:1", origin="127.0.0.1:2", seq=seq, **kw)
+
+
+def test_a_tree_stream_hands_its_messages_over_in_order(channel):
+    """A peer's tree stream: every message reaches the host in the order sent, taken
+    without a reply; the stream ends when its sender closes it."""
+    host, server = channel
+    pool = BulkPool(Keys(TOKEN), None, 1)
+    conn = pool.tree_stream(addr(server))
+    sent = [tree_message(i, end="127.0.0.1:3",
+                         batch=pb.ChangeBatch(from_node="node-w",
+                                              entries=[entry_for(b"x" * i, f"g{i}")]))
+            for i in range(1, 201)]
+    for m in sent:
+        conn.send_tree(m.SerializeToString())
+    wait_until(lambda: len(host.trees) == len(sent), 10, what="every tree message taken")
+    assert [m for m, _ in host.trees] == sent
+    assert not any(reply for _, reply in host.trees)
+    conn.close()
+    st = server.status()
+    assert st["tree_streams"] == 1 and st["tree_messages"] == len(sent), st
+    assert st["requests_refused"] == 0, st
+
+
+@pytest.mark.parametrize("bad", ["not protobuf", "no writer", "a control message"])
+def test_a_bad_tree_message_ends_its_stream_and_reaches_no_one(channel, bad):
+    host, server = channel
+    conn = BulkPool(Keys(TOKEN), None, 1).tree_stream(addr(server))
+    conn.send_tree(tree_message(1, ack=True, start="127.0.0.1:4").SerializeToString())
+    if bad == "not protobuf":
+        conn.send_tree(b"\xff" * 40)
+    elif bad == "no writer":
+        conn.send_tree(pb.TreeMessage(from_node="127.0.0.1:1", seq=2).SerializeToString())
+    else:
+        conn.send_control({"op": "push"})
+    # The server answers with the reason and closes the stream.
+    conn.sock.settimeout(5)
+    with pytest.raises(bulk.Remote) as e:
+        conn.recv_reply()
+    assert e.value.code == "INVALID_ARGUMENT", e.value
+    wait_until(lambda: server.status()["requests_refused"] == 1, 5, what="counted refused")
+    assert [m.seq for m, _ in host.trees] == [1]  # the good one before it, nothing after
+    conn.close()
+
+
 def test_replication_over_the_data_channel(make_cluster):
     c = make_cluster(3, replicas=2, extra=MAPPED)
     a = c["a"]
@@ -586,6 +636,13 @@ def test_replication_over_the_data_channel(make_cluster):
     files = {"r/one": b"\x5a", "r/five": blob(11, 5 * MiB), "r/nine": blob(12, 9 * MiB + 1)}
     for rel, data in files.items():
         write(a, rel, data)
+    # The index changes went down the trees on the data channel's streams, not gRPC.
+    for name in "abc":
+        wait_until(lambda name=name: pstatus(c[name])["tree"]["transport"]["streamed"] > 0,
+                   10, what=f"{name} streams tree messages")
+        tree = pstatus(c[name])["tree"]
+        assert tree["transport"]["by_grpc"] == tree["transport"]["stream_failures"] == 0, tree
+        assert tree["acks_in_replies"] == 0, tree  # (acks are messages of their own)
     for rel, data in files.items():
         st = wait_until(lambda rel=rel: (s := a.state(rel))["replicas"] == 2 and s, 30,
                         what=f"{rel} with 2 replicas")
@@ -722,7 +779,10 @@ def test_restore_survives_a_holder_lost_halfway(make_cluster, fault):
     finally:
         if fault == "sigstop":
             proc.send_signal(signal.SIGCONT)
-    s = pstatus(c[reader])
+    # The reader has every byte; the fetch is counted once it ended (it may still be
+    # dropping its connections to a stopped holder).
+    s = wait_until(lambda: (s := pstatus(c[reader]))["bytes_fetched_by_source"] and s, 30,
+                   what="the fetch counted")
     by_source = s["bytes_fetched_by_source"]
     print(f"{fault}: restored {size >> 20} MiB in {took:.1f} s; by source {by_source}")
     assert sum(by_source.values()) == size, by_source
@@ -785,6 +845,12 @@ def test_mixed_cluster_falls_back_to_grpc(make_cluster):
         assert (m.path / "m/from-a").read_bytes() == from_a, m.node_id
         assert (m.path / "m/from-b").read_bytes() == from_b, m.node_id
     assert pstatus(b)["bulk_fetched_bytes"] == 0
+    # Tree messages: b's all by gRPC; a's to c on a stream, to b by gRPC.
+    b_sent = pstatus(b)["tree"]["transport"]
+    assert b_sent["streamed"] == 0 and b_sent["by_grpc"] > 0, b_sent
+    a_sent = pstatus(a)["tree"]["transport"]
+    assert a_sent["streamed"] > 0 and a_sent["by_grpc"] > 0, a_sent
+    assert pstatus(reader)["data_channel"]["tree_messages"] > 0
 
 
 def replica_part_way(m: MtcfsMount, size: int) -> bool:

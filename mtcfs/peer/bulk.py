@@ -97,7 +97,7 @@ TAG = 16  # a frame's AES-GCM tag
 HEADER = struct.Struct("<cQI16s")  # kind, offset, length, tag
 AAD = struct.Struct("<QcQI")  # what a frame's tag covers besides its bytes: number, header
 ENCRYPTED = 0x01  # a setting bit in the handshake: --peer-encryption
-CONTROL, DATA = b"C", b"B"
+CONTROL, DATA, TREE = b"C", b"B", b"T"
 HANDSHAKE_TIMEOUT = 5.0
 STALL_TIMEOUT = 5.0  # a connection with no progress for this long is dropped
 REPLY_TIMEOUT = 60.0  # the receiver's answer to a whole push (verification, commit)
@@ -105,6 +105,9 @@ IDLE_TIMEOUT = 600.0  # a pooled connection with no request for this long is clo
 MAX_CONTROL = security.MAX_MESSAGE
 MAX_SERVER_CONNECTIONS = 64
 KEEPALIVE = 1.0  # a server waiting for a chunk tells the client so this often
+# Tree messages of one stream handed to the daemon and not yet taken there: the
+# stream's thread waits beyond this (the sender's socket then fills and it waits too).
+TREE_PENDING = 64
 VERIFIERS = 8  # threads that tag, check and write blocks (OpenSSL and crc32c release the GIL)
 
 
@@ -296,6 +299,11 @@ class Conn:
         tag, sealed = self.out.seal(self.sent, CONTROL, 0, body)
         self._send_frame(CONTROL, 0, tag, sealed)
 
+    def send_tree(self, body: bytes) -> None:
+        """One dissemination tree message (a serialized pb.TreeMessage) on a stream."""
+        tag, sealed = self.out.seal(self.sent, TREE, 0, body)
+        self._send_frame(TREE, 0, tag, sealed)
+
     def _read_sealed(self, fd: int, seq: int, offset: int, length: int, i: int
                      ) -> tuple[bytes, memoryview]:
         """Block `offset` of fd read once into buffer pair i, tagged (or encrypted)
@@ -365,9 +373,9 @@ class Conn:
     def recv_header(self) -> tuple[bytes, int, int, bytes]:
         recv_exact(self.sock, memoryview(self._hdr))
         kind, offset, length, tag = HEADER.unpack(self._hdr)
-        if kind not in (CONTROL, DATA):
+        if kind not in (CONTROL, DATA, TREE):
             raise BulkError(f"unknown frame kind {kind!r}")
-        if length > (MAX_CONTROL if kind == CONTROL else BLOCK):
+        if length > (BLOCK if kind == DATA else MAX_CONTROL):
             raise BadRequest(f"frame of {length} bytes: too large")
         return kind, offset, length, tag
 
@@ -469,6 +477,17 @@ class Conn:
         if not isinstance(msg, dict):
             raise BadRequest("a control message that is not an object")
         return msg
+
+    def recv_tree(self) -> bytes:
+        """The next tree message of a stream (its bytes, tag checked)."""
+        kind, offset, length, tag = self.recv_header()
+        if kind != TREE:
+            raise BadRequest("a tree stream carries tree messages only")
+        raw = memoryview(bytearray(length + TAG))
+        recv_exact(self.sock, raw[:length])
+        body = self.inn.open(self.received, TREE, offset, raw[:length], tag)
+        self.received += 1
+        return bytes(body)
 
     def recv_reply(self) -> dict[str, Any]:
         msg = self.recv_control()
@@ -616,13 +635,17 @@ def _code_of(e: BaseException) -> str:
 class BulkServer:
     """Accepts data connections on `listen`; a thread per connection (bounded) serves
     its requests one after the other. What touches the namespace runs through
-    `in_owner` (the daemon: in its trio thread), like the gRPC service."""
+    `in_owner` (the daemon: in its trio thread), like the gRPC service; a tree
+    stream's messages through `post`, which hands them over without waiting (the
+    daemon: trio's run_sync_soon; by default `in_owner`, waited for)."""
 
     def __init__(self, handler: PeerHandler, in_owner: Callable[..., Any], keys: Keys,
                  listen: tuple[str, int], tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_SERVER_CONNECTIONS,
-                 verifier: Executor | None = None) -> None:
+                 verifier: Executor | None = None,
+                 post: Callable[[Callable[[], None]], object] | None = None) -> None:
         self.handler = handler
+        self.post = post or in_owner
         self._own_verifier = verifier is None  # else whoever passed it shuts it down
         self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.in_owner = in_owner
@@ -646,6 +669,8 @@ class BulkServer:
         self.bytes_received = 0
         self.bytes_served = 0
         self.chunk_bytes_served = 0  # of bytes_served, to peers restoring the same file
+        self.tree_streams = 0  # tree streams opened by peers
+        self.tree_messages = 0  # tree messages received on them
         self._stopped = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -656,6 +681,7 @@ class BulkServer:
                 "requests_refused": self.refused, "replicas_received": self.pushes_received,
                 "bytes_received": self.bytes_received, "bytes_served": self.bytes_served,
                 "restore_bytes_served": self.chunk_bytes_served,
+                "tree_streams": self.tree_streams, "tree_messages": self.tree_messages,
                 "wire_version": VERSION, "encrypted": self.keys.encrypt}
 
     def start(self) -> int:
@@ -735,6 +761,9 @@ class BulkServer:
                 self._fetch(conn, msg)
             elif op == "chunk":
                 self._chunk(conn, msg)
+            elif op == "tree":
+                self._tree(conn)
+                return False  # the stream ended with its connection
             else:
                 raise BadRequest(f"unknown request {str(op)[:40]!r}")
             return True
@@ -750,6 +779,39 @@ class BulkServer:
             with contextlib.suppress(OSError):
                 conn.send_control({"error": _code_of(e), "details": str(e)[:500]})
             return False
+
+    # -- a tree stream (index changes and their acks) -----------------------------------
+
+    def _tree(self, conn: Conn) -> None:
+        """Tree messages from one peer, one after the other, until it closes: each
+        checked like the gRPC Forward call's and handed to the daemon without waiting
+        (up to TREE_PENDING at a time; no reply: acks travel as messages of their
+        own, on the receiver's stream to the sender)."""
+        conn.send_control({"ok": True})
+        self.tree_streams += 1
+        pending = threading.Semaphore(TREE_PENDING)
+        while not self._stopped:
+            conn.sock.settimeout(IDLE_TIMEOUT)
+            try:
+                body = conn.recv_tree()
+            except (BulkError, TimeoutError, ConnectionError):
+                return  # closed by the sender (an idle stream ends), or gone
+            try:
+                m = pb.TreeMessage.FromString(body)
+            except DecodeError:
+                raise BadRequest("a tree message that does not parse") from None
+            security.check_tree(m)
+            self.tree_messages += 1
+            pending.acquire()
+            self.post(functools.partial(self._on_tree, m, pending))
+
+    def _on_tree(self, m: pb.TreeMessage, pending: threading.Semaphore) -> None:
+        try:
+            self.handler.on_tree(m, False)
+        except Exception as e:  # (the daemon stopping, a message it cannot take)
+            log.debug("tree message from %s: %s", m.from_node, e)
+        finally:
+            pending.release()
 
     # -- push (a replica arriving) ---------------------------------------------------
 
@@ -922,6 +984,19 @@ class BulkPool:
             raise
 
     # -- requests --------------------------------------------------------------------
+
+    def tree_stream(self, addr: tuple[str, int]) -> Conn:
+        """A connection of its own (not pooled) that carries this host's tree messages
+        to `addr` from now on (Conn.send_tree) until it is closed. Remote if the peer
+        refuses (an mtcfs without tree streams: its gRPC Forward call remains)."""
+        c = self._open(addr)
+        try:
+            c.send_control({"op": "tree"})
+            c.recv_reply()
+        except BaseException:
+            c.close()
+            raise
+        return c
 
     def push(self, addr: tuple[str, int], fd: int, entry: pb.Entry, path: str,
              yield_to_writes: Callable[[], None], mapped: bool = False

@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from mtcfs.peer.addresses import parse_address
-from mtcfs.peer.bulk import BulkError, BulkPool, BulkServer
+from mtcfs.peer.bulk import BulkError, BulkPool, BulkServer, Conn
 from mtcfs.peer.membership import Peer
 from mtcfs.peer.server import PeerHandler
 
@@ -80,6 +80,11 @@ class DataChannel:
     def fetch_chunk(self, p: Peer, *args: Any) -> bool:
         return self.pool.fetch_chunk(data_address(p), *args)
 
+    def tree_stream(self, to: tuple[str, int]) -> Conn:
+        """A connection that carries this host's tree messages to the data channel at
+        `to` (Conn.send_tree; blocking: from the stream's thread)."""
+        return self.pool.tree_stream(to)
+
 
 class NoDataChannel(DataChannel):
     """No data channel here: it reaches no peer, listens nowhere, moves nothing."""
@@ -112,4 +117,7 @@ class NoDataChannel(DataChannel):
         raise BulkError("no data channel here")
 
     def fetch_chunk(self, p: Peer, *args: Any) -> bool:
+        raise BulkError("no data channel here")
+
+    def tree_stream(self, to: tuple[str, int]) -> Conn:
         raise BulkError("no data channel here")

@@ -128,6 +128,15 @@ class Settles(Protocol):
         ...
 
 
+class TreeTransport(Protocol):
+    """How a tree message reaches a host: TreeCalls (gRPC), or mtcfs.peer.treelinks
+    (streams on the data channel, gRPC behind them)."""
+
+    def forward(self, addr: str, msg: object, outcome: Outcome) -> None: ...
+    def close(self) -> None: ...
+    def status(self) -> dict[str, int]: ...
+
+
 class TreeCalls:
     """One tree message to one host: a one-way gRPC `Forward` call, not waited for
     (a lost one is sent again by the tree), so the trio thread never blocks on a
@@ -147,11 +156,16 @@ class TreeCalls:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.calls = 0
+
+    def status(self) -> dict[str, int]:
+        return {"by_grpc": self.calls}
 
     def forward(self, addr: str, msg: object, outcome: Outcome) -> None:
         """Send `msg` to `addr`; `outcome` gets the reply, or None if the call failed,
         and whether it failed for its deadline (in the sending thread or a gRPC
         thread, later)."""
+        self.calls += 1
         with self._lock:
             if self._closed:
                 return
@@ -227,7 +241,7 @@ class Stats:
 
 class Broadcaster:
     def __init__(self, members: Membership, node_id: str, index: Clocked, outbox: Outbox,
-                 calls: TreeCalls, inbox: Inbox, kernel: Settles, commit_timeout: float,
+                 calls: TreeTransport, inbox: Inbox, kernel: Settles, commit_timeout: float,
                  degree: int | None = None, group: int = 0,
                  turn: Callable[[], int] = grouped.no_turn) -> None:
         """`outbox`: this host's changes waiting to go (the index puts them there);
@@ -363,12 +377,12 @@ class Broadcaster:
 
     # -- messages ----------------------------------------------------------------------
 
-    def on_message(self, src: str, msg: object) -> Reply | None:
+    def on_message(self, src: str, msg: object, reply_wanted: bool = True) -> Reply | None:
         """A forward or an ack from `src`, or a hand-over or its answer (in the trio
-        thread, from the server). For a forward: the Reply its handler may wait on
-        for the range's ack."""
+        thread, from the server). For a forward over gRPC: the Reply its handler may
+        wait on for the range's ack (a stream's sender takes none: `reply_wanted`)."""
         reply = None
-        if isinstance(msg, fanout.Forward):
+        if reply_wanted and isinstance(msg, fanout.Forward):
             reply = Reply()
             self._replies.setdefault((msg.origin, msg.seq, msg.end, src), []).append(reply)
         self._emit(self.tree.on_message(src, msg, time.monotonic()))
@@ -623,4 +637,5 @@ class Broadcaster:
         return {**self.tree.status(), "hosts": len(self.counted()),
                 "send_errors": self.stats.send_errors,
                 "acks_in_replies": self.stats.acks_in_replies,
-                "acks_received_in_replies": self.stats.acks_received_in_replies}
+                "acks_received_in_replies": self.stats.acks_received_in_replies,
+                "transport": self.calls.status()}

@@ -58,7 +58,8 @@ class PeerHandler(Protocol):
     def needs_poke(self, listen: str) -> bool: ...
     def poke(self, listen: str) -> None: ...  # trio
     def on_batch(self, batch: pb.ChangeBatch) -> int: ...  # trio
-    def on_tree(self, request: pb.TreeMessage) -> Any: ...  # trio: a Reply, or None
+    # trio: a Reply, or None (`reply` False: the sender takes no reply, a tree stream's)
+    def on_tree(self, request: pb.TreeMessage, reply: bool = True) -> Any: ...
     def kernel_settle(self, timeout: float) -> bool: ...
     def snapshot_for(self, from_node: str, listen: str, piece: int, since: float = 0.0
                      ) -> Iterator[list[pb.Entry]]: ...  # trio (and each piece too)

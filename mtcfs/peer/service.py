@@ -73,11 +73,11 @@ class PeerService:
         """(gRPC thread.)"""
         return self.kernel.settle(timeout)
 
-    def on_tree(self, request: pb.TreeMessage) -> Reply | None:
+    def on_tree(self, request: pb.TreeMessage, reply: bool = True) -> Reply | None:
         """A batch down a tree, or an ack up it; for a batch, what its handler may
-        wait on to answer with the ack."""
+        wait on to answer with the ack (`reply` False: none, a tree stream's)."""
         src, msg = wire.tree_from_pb(request)
-        return self.broadcaster.on_message(src, msg)
+        return self.broadcaster.on_message(src, msg, reply)
 
     def on_batch(self, batch: pb.ChangeBatch) -> int:
         """A batch sent to this host alone (the Broadcast RPC: tools, older daemons);

@@ -52,6 +52,7 @@ from mtcfs.peer.replicator import (
 from mtcfs.peer.server import start_server
 from mtcfs.peer.service import PeerService
 from mtcfs.peer.stats import PeerFetchError, Stats
+from mtcfs.peer.treelinks import TreeLinks
 from mtcfs.tiers.durable import DurableTier
 from mtcfs.tiers.ram import RamTier
 
@@ -278,7 +279,8 @@ def build_peer_tier(ns: Namespace, ram: RamTier, copies: Copies, events: Listene
                             outbox=outbox)
     remote = RemoteChanges(index, events, node_id)
     markers = Markers()  # the inbox puts, CatchUps takes
-    broadcaster = Broadcaster(members, node_id, index, outbox, TreeCalls(members),
+    trees = TreeLinks(members, channel, TreeCalls(members))  # by gRPC where no stream
+    broadcaster = Broadcaster(members, node_id, index, outbox, trees,
                               Inbox(remote, markers, stats), kernel, settings.commit_timeout,
                               group=settings.peer_group,
                               turn=grouped.wall_turn(settings.peer_group_turn))
