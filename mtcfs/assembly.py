@@ -367,6 +367,7 @@ def _data_channel(opts: MountOptions) -> Any:
         BulkPool,
         BulkServer,
         Keys,
+        TrioReaders,
         in_trio,
         tls_contexts,
     )
@@ -382,7 +383,7 @@ def _data_channel(opts: MountOptions) -> Any:
 
     def server(handler: Any, token: trio.lowlevel.TrioToken) -> BulkServer:
         return BulkServer(handler, in_trio(token), keys, listen, server_tls, verifier=verifier,
-                          post=token.run_sync_soon)
+                          post=token.run_sync_soon, streams=TrioReaders(token))
 
     return DataChannel(BulkPool(keys, client_tls, opts.data_connections, verifier), server)
 

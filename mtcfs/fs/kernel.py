@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import queue
 import threading
 from collections.abc import Callable
 
@@ -27,7 +26,12 @@ class KernelCache:
                  invalidate_attrs: Callable[[int], None]) -> None:
         self._entry = invalidate_entry
         self._attrs = invalidate_attrs
-        self._queue: queue.SimpleQueue[tuple[int, bytes | None] | None] = queue.SimpleQueue()
+        # Notifications not taken by the thread yet: it takes them all at once, so a
+        # batch of another host's changes wakes it once, not once per name.
+        self._pending: list[tuple[int, bytes | None]] = []
+        self._stopping = False
+        # (target, callback): called from the thread once `target` notifications are done
+        self._watchers: list[tuple[int, Callable[[], None]]] = []
         self._issued = 0
         self._done = 0
         self._cond = threading.Condition()
@@ -41,7 +45,9 @@ class KernelCache:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(None)
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
             self._thread.join(timeout=2)
 
     def entry(self, parent_ino: int, name: bytes) -> None:
@@ -57,7 +63,19 @@ class KernelCache:
             return  # before the mount is live the kernel has nothing cached
         with self._cond:
             self._issued += 1
-        self._queue.put(op)
+            self._pending.append(op)
+            if len(self._pending) == 1:
+                self._cond.notify_all()  # (more than one: it is awake already)
+
+    def when_settled(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from the notifying thread, or here if there is nothing to
+        wait for) once every notification issued so far has been sent: a wait for
+        them that holds no thread."""
+        with self._cond:
+            if self._done < self._issued:
+                self._watchers.append((self._issued, callback))
+                return
+        callback()
 
     def settle(self, timeout: float) -> bool:
         """Wait (bounded) until every notification issued so far has been sent.
@@ -68,20 +86,31 @@ class KernelCache:
 
     def _run(self) -> None:
         while True:
-            op = self._queue.get()
-            if op is None:
-                return
-            ino, name = op
-            try:
-                if name is None:
-                    self._attrs(ino)
-                else:
-                    self._entry(ino, name)
-            except OSError as e:
-                if e.errno != errno.ENOENT:  # ENOENT: nothing cached, nothing to do
-                    log.debug("kernel notification for %d/%r: %s", ino, name, e)
-            except Exception:
-                log.exception("kernel notification for %d/%r failed", ino, name)
             with self._cond:
-                self._done += 1
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                ops, self._pending = self._pending, []
+            for ino, name in ops:
+                try:
+                    if name is None:
+                        self._attrs(ino)
+                    else:
+                        self._entry(ino, name)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:  # ENOENT: nothing cached, nothing to do
+                        log.debug("kernel notification for %d/%r: %s", ino, name, e)
+                except Exception:
+                    log.exception("kernel notification for %d/%r failed", ino, name)
+            with self._cond:
+                self._done += len(ops)
                 self._cond.notify_all()
+                due = [cb for target, cb in self._watchers if target <= self._done]
+                if due:
+                    self._watchers = [w for w in self._watchers if w[0] > self._done]
+            for callback in due:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("kernel notifications: a watcher failed")

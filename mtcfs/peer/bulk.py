@@ -60,7 +60,7 @@ import ssl
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -94,6 +94,9 @@ MAGIC = WIRE + str(VERSION).encode()
 NONCE = 32
 MAC = 32  # the handshake's answers (keyed BLAKE3)
 TAG = 16  # a frame's AES-GCM tag
+# Frames up to this size have their GMAC computed over a copy of header and bytes in
+# one OpenSSL call (the same tag: GCM's additional data is one stream).
+SMALL_FRAME = 64 << 10
 HEADER = struct.Struct("<cQI16s")  # kind, offset, length, tag
 AAD = struct.Struct("<QcQI")  # what a frame's tag covers besides its bytes: number, header
 ENCRYPTED = 0x01  # a setting bit in the handshake: --peer-encryption
@@ -204,6 +207,8 @@ class Sealer:
                 self.aead.encrypt_into(self.nonce(seq), data, aad, out[:n + TAG])
                 sealed = out
             return bytes(sealed[n:n + TAG]), sealed[:n]
+        if len(data) <= SMALL_FRAME:  # the same tag in one call, not five (tree messages)
+            return self.aead.encrypt(self.nonce(seq), b"", aad + bytes(data)), data
         enc = Cipher(algorithms.AES(self.key), modes.GCM(self.nonce(seq))).encryptor()
         enc.authenticate_additional_data(aad)
         enc.authenticate_additional_data(data)
@@ -226,6 +231,9 @@ class Sealer:
                     return memoryview(self.aead.decrypt(self.nonce(seq), body, aad))
                 self.aead.decrypt_into(self.nonce(seq), body, aad, out[:n])
                 return out[:n]
+            if n <= SMALL_FRAME:
+                self.aead.decrypt(self.nonce(seq), tag, aad + bytes(data))
+                return data
             dec = Cipher(algorithms.AES(self.key), modes.GCM(self.nonce(seq), tag)).decryptor()
             dec.authenticate_additional_data(aad)
             dec.authenticate_additional_data(data)
@@ -257,6 +265,7 @@ class Conn:
         self.encrypt = encrypt
         self.sent = 0  # frames sent / received: each tag's nonce is its frame's number
         self.received = 0
+        self.adopted = False  # a tree stream now read by the daemon's trio thread
         self._hdr = bytearray(HEADER.size)
         self._plain = not isinstance(sock, ssl.SSLSocket)
         if self._plain:
@@ -301,8 +310,19 @@ class Conn:
 
     def send_tree(self, body: bytes) -> None:
         """One dissemination tree message (a serialized pb.TreeMessage) on a stream."""
+        self.sock.sendall(self.tree_frame(body))
+
+    def tree_frame(self, body: bytes) -> bytes:
+        """The next frame of a tree stream, carrying `body`, as bytes to send (counted
+        as sent: the caller sends it, or drops the connection)."""
         tag, sealed = self.out.seal(self.sent, TREE, 0, body)
-        self._send_frame(TREE, 0, tag, sealed)
+        self.sent += 1
+        return HEADER.pack(TREE, 0, len(sealed), tag) + bytes(sealed)
+
+    @property
+    def plain(self) -> bool:
+        """Plain TCP (no TLS): its socket can be read and written without blocking."""
+        return self._plain
 
     def _read_sealed(self, fd: int, seq: int, offset: int, length: int, i: int
                      ) -> tuple[bytes, memoryview]:
@@ -496,6 +516,41 @@ class Conn:
         return msg
 
 
+class TreeFrames:
+    """A tree stream's messages from its bytes as they arrive, for a reader that never
+    blocks (the daemon's trio thread): whole frames only, each tag checked."""
+
+    def __init__(self, conn: Conn) -> None:
+        self.conn = conn
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The messages completed by `data` (IntegrityError, BadRequest: drop the
+        stream)."""
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        at = 0
+        while len(buf) - at >= HEADER.size:
+            kind, offset, length, tag = HEADER.unpack_from(buf, at)
+            if kind != TREE:
+                raise BadRequest("a tree stream carries tree messages only")
+            if length > MAX_CONTROL:
+                raise BadRequest(f"frame of {length} bytes: too large")
+            start = at + HEADER.size
+            if len(buf) - start < length:
+                break
+            raw = bytearray(length + TAG)  # (room for the tag when decrypting)
+            raw[:length] = buf[start:start + length]
+            body = self.conn.inn.open(self.conn.received, TREE, offset,
+                                      memoryview(raw)[:length], tag)
+            self.conn.received += 1
+            out.append(bytes(body))
+            at = start + length
+        del buf[:at]
+        return out
+
+
 # -- handshakes ----------------------------------------------------------------------
 
 
@@ -632,6 +687,32 @@ def _code_of(e: BaseException) -> str:
     return "UNAVAILABLE"
 
 
+class InThreads:
+    """Tree streams read on their connections' threads (a server without trio)."""
+
+    def adopt(self, conn: Conn, read: Callable[[Conn], Awaitable[None]]) -> bool:
+        return False
+
+
+class TrioReaders(InThreads):
+    """Tree streams on plain TCP read in the daemon's trio thread: a task per stream,
+    each message handled where it is read."""
+
+    def __init__(self, token: Any) -> None:
+        self.token = token
+
+    def adopt(self, conn: Conn, read: Callable[[Conn], Awaitable[None]]) -> bool:
+        if not conn.plain:
+            return False  # (TLS: read on its thread)
+        import trio
+
+        try:
+            self.token.run_sync_soon(trio.lowlevel.spawn_system_task, read, conn)
+        except trio.RunFinishedError:
+            return False
+        return True
+
+
 class BulkServer:
     """Accepts data connections on `listen`; a thread per connection (bounded) serves
     its requests one after the other. What touches the namespace runs through
@@ -643,9 +724,13 @@ class BulkServer:
                  listen: tuple[str, int], tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_SERVER_CONNECTIONS,
                  verifier: Executor | None = None,
-                 post: Callable[[Callable[[], None]], object] | None = None) -> None:
+                 post: Callable[[Callable[[], None]], object] | None = None,
+                 streams: InThreads | None = None) -> None:
+        """`streams`: who reads tree streams (TrioReaders: the daemon's trio thread, on
+        plain TCP; by default each on its connection's thread, through `post`)."""
         self.handler = handler
         self.post = post or in_owner
+        self.streams = streams or InThreads()
         self._own_verifier = verifier is None  # else whoever passed it shuts it down
         self.verifier = verifier or ThreadPoolExecutor(VERIFIERS, "bulk-verify")
         self.in_owner = in_owner
@@ -740,14 +825,15 @@ class BulkServer:
         except Exception as e:  # a broken connection must not take the server down
             log.warning("data channel: connection dropped: %s", e)
         finally:
-            if conn is not None:
-                conn.close()
-            with contextlib.suppress(OSError):
-                sock.close()
-            with contextlib.suppress(OSError):
-                raw.close()
-            with self._lock:
-                self._conns.discard(raw)
+            if conn is None or not conn.adopted:  # (an adopted one: its reader closes it)
+                if conn is not None:
+                    conn.close()
+                with contextlib.suppress(OSError):
+                    sock.close()
+                with contextlib.suppress(OSError):
+                    raw.close()
+                with self._lock:
+                    self._conns.discard(raw)
             self.slots.release()
 
     def _request(self, conn: Conn, msg: dict[str, Any]) -> bool:
@@ -785,10 +871,14 @@ class BulkServer:
     def _tree(self, conn: Conn) -> None:
         """Tree messages from one peer, one after the other, until it closes: each
         checked like the gRPC Forward call's and handed to the daemon without waiting
-        (up to TREE_PENDING at a time; no reply: acks travel as messages of their
-        own, on the receiver's stream to the sender)."""
+        (no reply: acks travel as messages of their own, on the receiver's stream to
+        the sender). Read by the daemon's trio thread where it takes the stream (no
+        thread hand-over per message), else here (up to TREE_PENDING at a time)."""
         conn.send_control({"ok": True})
         self.tree_streams += 1
+        if self.streams.adopt(conn, self._read_tree):
+            conn.adopted = True
+            return
         pending = threading.Semaphore(TREE_PENDING)
         while not self._stopped:
             conn.sock.settimeout(IDLE_TIMEOUT)
@@ -796,14 +886,53 @@ class BulkServer:
                 body = conn.recv_tree()
             except (BulkError, TimeoutError, ConnectionError):
                 return  # closed by the sender (an idle stream ends), or gone
-            try:
-                m = pb.TreeMessage.FromString(body)
-            except DecodeError:
-                raise BadRequest("a tree message that does not parse") from None
-            security.check_tree(m)
-            self.tree_messages += 1
+            m = self._tree_message(body)
             pending.acquire()
             self.post(functools.partial(self._on_tree, m, pending))
+
+    def _tree_message(self, body: bytes) -> pb.TreeMessage:
+        try:
+            m = pb.TreeMessage.FromString(body)
+        except DecodeError:
+            raise BadRequest("a tree message that does not parse") from None
+        security.check_tree(m)
+        self.tree_messages += 1
+        return m
+
+    async def _read_tree(self, conn: Conn) -> None:
+        """A tree stream read in the daemon's trio thread (TrioReaders), until its
+        sender closes it or breaks the protocol (then dropped, as in _tree)."""
+        import trio
+
+        sock = conn.sock
+        sock.setblocking(False)
+        frames = TreeFrames(conn)
+        try:
+            while not self._stopped:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(1 << 20)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    return  # closed by the sender (an idle stream ends)
+                for body in frames.feed(data):
+                    m = self._tree_message(body)
+                    try:
+                        self.handler.on_tree(m, False)
+                    except Exception as e:  # (a message it cannot take)
+                        log.debug("tree message from %s: %s", m.from_node, e)
+        except (BadRequest, IntegrityError) as e:
+            self.refused += 1
+            log.warning("data channel: tree stream dropped: %s", e)
+        except OSError:
+            pass  # reset by the sender, or the server stopping
+        except Exception:  # (a system task: an exception would end the daemon)
+            log.exception("data channel: tree stream failed")
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(sock)
 
     def _on_tree(self, m: pb.TreeMessage, pending: threading.Semaphore) -> None:
         try:

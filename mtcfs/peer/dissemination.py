@@ -127,12 +127,20 @@ class Settles(Protocol):
         names applied so far; False if it did not within `timeout`."""
         ...
 
+    def when_settled(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from any thread) once it has: a wait that holds no thread."""
+        ...
+
 
 class TreeTransport(Protocol):
     """How a tree message reaches a host: TreeCalls (gRPC), or mtcfs.peer.treelinks
     (streams on the data channel, gRPC behind them)."""
 
-    def forward(self, addr: str, msg: object, outcome: Outcome) -> None: ...
+    def forward(self, addr: str, msg: object, outcome: Outcome) -> bool:
+        """Send `msg` to `addr`: True if it counts as delivered at once (`outcome`
+        then told only of a failure), False if `outcome` tells how its call went."""
+        ...
+
     def close(self) -> None: ...
     def status(self) -> dict[str, int]: ...
 
@@ -161,20 +169,21 @@ class TreeCalls:
     def status(self) -> dict[str, int]:
         return {"by_grpc": self.calls}
 
-    def forward(self, addr: str, msg: object, outcome: Outcome) -> None:
+    def forward(self, addr: str, msg: object, outcome: Outcome) -> bool:
         """Send `msg` to `addr`; `outcome` gets the reply, or None if the call failed,
         and whether it failed for its deadline (in the sending thread or a gRPC
-        thread, later)."""
+        thread, later). False: not delivered yet."""
         self.calls += 1
         with self._lock:
             if self._closed:
-                return
+                return False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tree-calls",
                                                 daemon=True)
                 self._thread.start()  # once, at the first message
         # The stub here: the membership's peers are the trio thread's.
         self._queue.put(_Call(self.members.stub_for(addr), msg, outcome))
+        return False
 
     def close(self) -> None:
         with self._lock:
@@ -256,7 +265,7 @@ class Broadcaster:
         self.outbox = outbox
         self.calls = calls
         self._deliver = inbox.deliver
-        self._settle = kernel.settle
+        self._kernel = kernel
         self.commit_timeout = commit_timeout
         self.stats = Stats()
         # Numbered from the start time in µs: never a number of a previous life's.
@@ -574,7 +583,8 @@ class Broadcaster:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(in_trio)
 
-        self.calls.forward(dst, msg, outcome)
+        if self.calls.forward(dst, msg, outcome):
+            self.tree.delivered(dst, msg)  # (on a stream: outcome tells only of a failure)
 
     def send_failed(self, dst: str, msg: object, attempt: int) -> None:
         """A call carrying `msg` failed (in the trio thread): send it again shortly,
@@ -614,10 +624,24 @@ class Broadcaster:
                 # Bounded: a notification can wait for a directory lock that a local
                 # commit holds while it waits for the writer (see mtcfs.fs.kernel).
                 self._unsettled = False
-                await trio.to_thread.run_sync(self._settle, KERNEL_SETTLE)
+                await self._kernel_settled(KERNEL_SETTLE)
             acks, self._acks = self._acks, []
             for dst, msg in acks:
                 self._send(dst, msg, 0)
+
+    async def _kernel_settled(self, timeout: float) -> None:
+        """Until the kernel dropped what it cached of the names applied so far, or
+        `timeout` (no thread waits: the notifying thread wakes this one)."""
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+
+        def settled() -> None:  # (in the notifying thread, or here)
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        self._kernel.when_settled(settled)
+        with trio.move_on_after(timeout):
+            await done.wait()
 
     def status(self) -> dict[str, object]:
         s = self.stats
