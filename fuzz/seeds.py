@@ -152,6 +152,9 @@ def bulk_inputs() -> list[bytes]:
                          "length": len(small), "wait": False}),
         b"\0" + control({"op": "push", "entry": entry}) + block(4096, NEW),
         b"\0" + control({"op": "what"}),
+        b"\0" + control({"op": "tree"}) + b"".join(
+            bytes([3]) + struct.pack("<I", len(t)) + t
+            for t in (m.SerializeToString() for m in trees())),
         b"\1" + b"\0" + bytes(32) + bytes(32),
         b"\2" + struct.pack("<cQI16s", b"C", 0, 2, bytes(16)) + b"{}",
     ]

@@ -19,7 +19,8 @@ Input layouts (the seed corpus, fuzz.seeds, is written in them):
 - bulk, bulk-encrypted (the daemon with --peer-encryption; same layout):
                mode byte | bytes. 0: valid handshake, then records (kind byte, u32le
                length, bytes: kind 0 a tagged control frame, 1 a tagged data frame
-               whose first 8 bytes are its offset, 2 raw bytes); 1: the bytes as the
+               whose first 8 bytes are its offset, 2 raw bytes, 3 a tagged tree
+               message frame, after a "tree" request); 1: the bytes as the
                client's handshake (no token); 2: valid handshake, then the bytes raw
 """
 
@@ -251,7 +252,7 @@ class Targets:
     @staticmethod
     def _frames(conn: bulk.Conn, payload: bytes) -> None:
         while payload:
-            kind = payload[0] % 3
+            kind = payload[0] % 4
             n = int.from_bytes(payload[1:5], "little") if len(payload) >= 5 else 0
             body, payload = payload[5:5 + n], payload[5 + n:]
             if kind == 0:
@@ -259,6 +260,8 @@ class Targets:
             elif kind == 1:
                 offset = int.from_bytes(body[:8], "little")
                 send_sealed(conn, bulk.DATA, offset, body[8:])
+            elif kind == 3:
+                send_sealed(conn, bulk.TREE, 0, body)
             else:
                 conn.sock.sendall(body)
 

@@ -102,7 +102,7 @@ class Copies:
             return False
         if node.has_data and not node.dirty:
             return False
-        return self.elsewhere(node) == 0
+        return not any(h != self.node_id and self.is_live(h) for h in node.holders)
 
     def seen_holders(self, node: Inode) -> list[str]:
         """The holders as `user.mtcfs.state` shows them: with this host if it has a copy."""

@@ -35,13 +35,17 @@ Security is no weaker than the gRPC calls' token:
 
 Wire format (version 2), after the handshake: frames of a 29-byte header (kind,
 offset, length, tag) and `length` bytes. Kind C is a control message (JSON),
-kind B one block (4 MiB, the last one shorter) of the file at `offset`. Requests:
+kind B one block (4 MiB, the last one shorter) of the file at `offset`, kind T
+one tree message. Requests:
 `push` (a replica: header, blocks in order, `end`; the receiver verifies the
 whole file and answers), `fetch` (a block range of a held file) and `chunk`
 (one chunk of a file the server restores from the durable tier, or has:
 mtcfs.peer.restore; the server sends `wait` keepalives until the chunk is
 verified there, or says it will not have it; the client counts the chunk only
-once its recorded crc32c matched).
+once its recorded crc32c matched), and `tree`: from then on the connection
+carries the sender's dissemination tree messages, one kind T frame each (a
+serialized pb.TreeMessage, checked as the gRPC Forward call's), never answered
+(mtcfs.peer.treelinks), until the sender closes it.
 """
 
 from __future__ import annotations

@@ -429,7 +429,7 @@ class Broadcaster:
         self._unsettled = True
 
     def _emit(self, out: grouped.Out) -> None:
-        if out or self._replies or self.tree.in_flight():
+        if out or self._replies or self.tree.busy():
             self._flying.set()
         if self.tree.flush_at is not None:
             self._gathering.set()
@@ -606,7 +606,7 @@ class Broadcaster:
 
     async def _retry(self) -> None:
         while True:
-            if not self.tree.in_flight() and not self._replies:
+            if not self.tree.busy() and not self._replies:
                 # Nothing on its way: no timer to watch until a batch leaves or comes.
                 await self._flying.wait()
             self._flying = trio.Event()

@@ -354,6 +354,10 @@ class Fanout:
     def in_flight(self) -> int:
         return sum(len(r) for r in self._flight.values())
 
+    def busy(self) -> bool:
+        """A batch is in flight here (in_flight() > 0, without counting)."""
+        return any(self._flight.values())  # (stops at the first: no count)
+
     def own_in_flight(self) -> list[object]:
         """The payloads of this host's batches not complete yet."""
         return [t.payload for (origin, _), ranges in self._flight.items()

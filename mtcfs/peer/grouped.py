@@ -414,6 +414,10 @@ class GroupedFanout:
     def in_flight(self) -> int:
         return self.tree.in_flight() + len(self._handed) + len(self._gathered)
 
+    def busy(self) -> bool:
+        """Something in flight (in_flight() > 0, without counting)."""
+        return self.tree.busy() or bool(self._handed) or bool(self._gathered)
+
     def own_in_flight(self) -> list[object]:
         """The payloads of this host's batches not complete yet."""
         return [*(h.part.payload for h in self._handed.values()),
