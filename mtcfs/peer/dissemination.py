@@ -25,9 +25,10 @@ when its first change is due (mtcfs.peer.outbox: 20 ms for a change, 1 s
 for an announcement of a copy; while a batch of this host's is on its way, up
 to BUSY_HOLD later), when MAX_BATCH entries wait, or when a commit waits. A
 thousand changes made one by one cost a few batches, not a thousand trees, and
-a step's files a batch or two. Runs in the daemon's trio thread; the sending
-is a gRPC call per message, not waited for, made from a thread of its own
-(TreeCalls; a forward's reply may carry its range's ack: Reply).
+a step's files a batch or two. Runs in the daemon's trio thread; a message is
+sent through a TreeTransport, never waited for: a frame on a stream over the
+data channel (mtcfs.peer.treelinks), or a gRPC call made from a thread of its
+own (TreeCalls; a forward's reply may carry its range's ack: Reply).
 """
 
 from __future__ import annotations
