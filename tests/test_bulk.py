@@ -606,6 +606,10 @@ def test_a_small_frames_tag_is_the_streamed_gmac(size):
             sealer.open(seq, kind, 0, memoryview(body), tag)
 
 
+def send_tree(conn: bulk.Conn, body: bytes) -> None:
+    conn.sock.sendall(conn.tree_frame(body))
+
+
 def tree_message(seq: int, **kw) -> pb.TreeMessage:
     return pb.TreeMessage(from_node="127.0.0.1:1", origin="127.0.0.1:2", seq=seq, **kw)
 
@@ -621,7 +625,7 @@ def test_a_tree_stream_hands_its_messages_over_in_order(channel):
                                               entries=[entry_for(b"x" * i, f"g{i}")]))
             for i in range(1, 201)]
     for m in sent:
-        conn.send_tree(m.SerializeToString())
+        send_tree(conn, m.SerializeToString())
     wait_until(lambda: len(host.trees) == len(sent), 10, what="every tree message taken")
     assert [m for m, _ in host.trees] == sent
     assert not any(reply for _, reply in host.trees)
@@ -635,11 +639,11 @@ def test_a_tree_stream_hands_its_messages_over_in_order(channel):
 def test_a_bad_tree_message_ends_its_stream_and_reaches_no_one(channel, bad):
     host, server = channel
     conn = BulkPool(Keys(TOKEN), None, 1).tree_stream(addr(server))
-    conn.send_tree(tree_message(1, ack=True, start="127.0.0.1:4").SerializeToString())
+    send_tree(conn, tree_message(1, ack=True, start="127.0.0.1:4").SerializeToString())
     if bad == "not protobuf":
-        conn.send_tree(b"\xff" * 40)
+        send_tree(conn, b"\xff" * 40)
     elif bad == "no writer":
-        conn.send_tree(pb.TreeMessage(from_node="127.0.0.1:1", seq=2).SerializeToString())
+        send_tree(conn, pb.TreeMessage(from_node="127.0.0.1:1", seq=2).SerializeToString())
     else:
         conn.send_control({"op": "push"})
     # The server answers with the reason and closes the stream.

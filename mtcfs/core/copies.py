@@ -25,7 +25,7 @@ Only copies on live peers count: a dead holder's copy may never come back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from mtcfs.core.events import Listener
@@ -65,7 +65,10 @@ class Copies:
 
     def elsewhere(self, node: Inode) -> int:
         """Live peers holding a verified copy of this version."""
-        return sum(1 for h in node.holders if h != self.node_id and self.is_live(h))
+        return sum(1 for _ in self._live_holders(node))
+
+    def _live_holders(self, node: Inode) -> Iterator[str]:
+        return (h for h in node.holders if h != self.node_id and self.is_live(h))
 
     def resident(self, node: Inode) -> bool:
         """A complete, sealed copy of the file is in this host's RAM tier."""
@@ -102,7 +105,7 @@ class Copies:
             return False
         if node.has_data and not node.dirty:
             return False
-        return not any(h != self.node_id and self.is_live(h) for h in node.holders)
+        return next(self._live_holders(node), None) is None  # (stops at the first)
 
     def seen_holders(self, node: Inode) -> list[str]:
         """The holders as `user.mtcfs.state` shows them: with this host if it has a copy."""

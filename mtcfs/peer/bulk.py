@@ -115,6 +115,7 @@ KEEPALIVE = 1.0  # a server waiting for a chunk tells the client so this often
 # Tree messages of one stream handed to the daemon and not yet taken there: the
 # stream's thread waits beyond this (the sender's socket then fills and it waits too).
 TREE_PENDING = 64
+NOT_TREE = "a tree stream carries tree messages only"
 VERIFIERS = 8  # threads that tag, check and write blocks (OpenSSL and crc32c release the GIL)
 
 
@@ -312,10 +313,6 @@ class Conn:
         tag, sealed = self.out.seal(self.sent, CONTROL, 0, body)
         self._send_frame(CONTROL, 0, tag, sealed)
 
-    def send_tree(self, body: bytes) -> None:
-        """One dissemination tree message (a serialized pb.TreeMessage) on a stream."""
-        self.sock.sendall(self.tree_frame(body))
-
     def tree_frame(self, body: bytes) -> bytes:
         """The next frame of a tree stream, carrying `body`, as bytes to send (counted
         as sent: the caller sends it, or drops the connection)."""
@@ -486,14 +483,26 @@ class Conn:
                             f"{length} bytes; expected the block at {off} of {n}")
         return tag
 
-    def recv_control(self) -> dict[str, Any]:
+    def open_next(self, kind: bytes, offset: int, body: memoryview, tag: bytes
+                  ) -> memoryview:
+        """The next received frame's bytes once its tag matched (`body`: a view of a
+        buffer with TAG spare bytes after it, see Sealer.open); counted received."""
+        opened = self.inn.open(self.received, kind, offset, body, tag)
+        self.received += 1
+        return opened
+
+    def _recv_sealed(self, want: bytes, wrong: type[Exception], why: str) -> memoryview:
+        """The next frame, which must be of kind `want` (else `wrong(why)`)."""
         kind, offset, length, tag = self.recv_header()
-        if kind != CONTROL:
-            raise BulkError("a data block where a control message was due")
+        if kind != want:
+            raise wrong(why)
         raw = memoryview(bytearray(length + TAG))
         recv_exact(self.sock, raw[:length])
-        body = self.inn.open(self.received, CONTROL, offset, raw[:length], tag)
-        self.received += 1
+        return self.open_next(kind, offset, raw[:length], tag)
+
+    def recv_control(self) -> dict[str, Any]:
+        body = self._recv_sealed(CONTROL, BulkError,
+                                 "a data block where a control message was due")
         try:
             msg = json.loads(bytes(body))
         except ValueError:
@@ -504,14 +513,7 @@ class Conn:
 
     def recv_tree(self) -> bytes:
         """The next tree message of a stream (its bytes, tag checked)."""
-        kind, offset, length, tag = self.recv_header()
-        if kind != TREE:
-            raise BadRequest("a tree stream carries tree messages only")
-        raw = memoryview(bytearray(length + TAG))
-        recv_exact(self.sock, raw[:length])
-        body = self.inn.open(self.received, TREE, offset, raw[:length], tag)
-        self.received += 1
-        return bytes(body)
+        return bytes(self._recv_sealed(TREE, BadRequest, NOT_TREE))
 
     def recv_reply(self) -> dict[str, Any]:
         msg = self.recv_control()
@@ -538,7 +540,7 @@ class TreeFrames:
         while len(buf) - at >= HEADER.size:
             kind, offset, length, tag = HEADER.unpack_from(buf, at)
             if kind != TREE:
-                raise BadRequest("a tree stream carries tree messages only")
+                raise BadRequest(NOT_TREE)
             if length > MAX_CONTROL:
                 raise BadRequest(f"frame of {length} bytes: too large")
             start = at + HEADER.size
@@ -546,10 +548,7 @@ class TreeFrames:
                 break
             raw = bytearray(length + TAG)  # (room for the tag when decrypting)
             raw[:length] = buf[start:start + length]
-            body = self.conn.inn.open(self.conn.received, TREE, offset,
-                                      memoryview(raw)[:length], tag)
-            self.conn.received += 1
-            out.append(bytes(body))
+            out.append(bytes(self.conn.open_next(TREE, offset, memoryview(raw)[:length], tag)))
             at = start + length
         del buf[:at]
         return out
@@ -921,11 +920,7 @@ class BulkServer:
                 if not data:
                     return  # closed by the sender (an idle stream ends)
                 for body in frames.feed(data):
-                    m = self._tree_message(body)
-                    try:
-                        self.handler.on_tree(m, False)
-                    except Exception as e:  # (a message it cannot take)
-                        log.debug("tree message from %s: %s", m.from_node, e)
+                    self._hand_over(self._tree_message(body))
         except (BadRequest, IntegrityError) as e:
             self.refused += 1
             log.warning("data channel: tree stream dropped: %s", e)
@@ -940,11 +935,16 @@ class BulkServer:
 
     def _on_tree(self, m: pb.TreeMessage, pending: threading.Semaphore) -> None:
         try:
+            self._hand_over(m)
+        finally:
+            pending.release()
+
+    def _hand_over(self, m: pb.TreeMessage) -> None:
+        """A tree message to the daemon (in its trio thread), which sends no reply."""
+        try:
             self.handler.on_tree(m, False)
         except Exception as e:  # (the daemon stopping, a message it cannot take)
             log.debug("tree message from %s: %s", m.from_node, e)
-        finally:
-            pending.release()
 
     # -- push (a replica arriving) ---------------------------------------------------
 
@@ -1120,7 +1120,7 @@ class BulkPool:
 
     def tree_stream(self, addr: tuple[str, int]) -> Conn:
         """A connection of its own (not pooled) that carries this host's tree messages
-        to `addr` from now on (Conn.send_tree) until it is closed. Remote if the peer
+        to `addr` from now on (Conn.tree_frame) until it is closed. Remote if the peer
         refuses (an mtcfs without tree streams: its gRPC Forward call remains)."""
         c = self._open(addr)
         try:

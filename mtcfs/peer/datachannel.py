@@ -82,7 +82,7 @@ class DataChannel:
 
     def tree_stream(self, to: tuple[str, int]) -> Conn:
         """A connection that carries this host's tree messages to the data channel at
-        `to` (Conn.send_tree; blocking: from the stream's thread)."""
+        `to` (Conn.tree_frame; blocking: from the stream's thread)."""
         return self.pool.tree_stream(to)
 
 
