@@ -98,6 +98,34 @@ def test_a_step_of_nine_hosts_in_groups_of_three_makes_three_trees() -> None:
     assert all(h.in_flight() == 0 and h.counters.own_trees == 0 for h in net.hosts.values())
 
 
+def test_a_leader_gathers_while_batches_keep_coming_for_at_most_linger_most() -> None:
+    """A leader's bundle leaves LINGER after the last batch it was handed, at most
+    LINGER_MOST after the first: a save whose batches come over a second (each
+    host's files, then its copies' announcements) makes a few trees, not one per
+    batch. After a pause of LINGER the next batch starts a tree of its own."""
+    assert grouped.LINGER < grouped.LINGER_MOST
+    net = Hosts(9, 3)  # h0 leads h0-h2
+    gap = grouped.LINGER * 0.8
+    seqs, t = [], 0.0
+    while t <= grouped.LINGER_MOST - gap:
+        for i in ("h1", "h2", "h0"):  # (the leader's own batch waits with the others)
+            seqs.append((i, net.publish(i, t)))
+        net.tick(t)
+        assert not any(net.hosts[i].complete(s) for i, s in seqs), t
+        t += gap
+    net.tick(grouped.LINGER_MOST)
+    assert all(net.hosts[i].complete(s) for i, s in seqs)
+    assert net.hosts["h0"].counters.bundles == 1
+    assert sorted(net.got["h7"]) == sorted(seqs)
+    # A pause: the next batch goes down a tree of its own, LINGER after it came.
+    t = grouped.LINGER_MOST + 2 * grouped.LINGER
+    late = net.publish("h1", t)
+    net.tick(t + grouped.LINGER * 0.9)
+    assert not net.hosts["h1"].complete(late)
+    net.tick(t + grouped.LINGER)
+    assert net.hosts["h1"].complete(late) and net.hosts["h0"].counters.bundles == 2
+
+
 def test_without_groups_a_batch_leaves_at_once_down_its_writers_tree() -> None:
     net = Hosts(5, 1)
     seq = net.publish("h2", 0.0)

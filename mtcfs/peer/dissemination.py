@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -280,6 +281,7 @@ class Broadcaster:
         self._progress = trio.Event()  # set on every completed batch and membership change
         self._acks: list[tuple[str, object]] = []  # acks and "carried": settle first
         self._gathering = trio.Event()  # set when this host gathers batches to carry
+        self._carry_until = math.inf  # ... or when they are due sooner than _carry sleeps
         self._acks_ready = trio.Event()
         self._flying = trio.Event()  # set when a batch may be in flight: retries to watch
         self._unsettled = False  # a batch applied since the kernel last settled
@@ -432,7 +434,7 @@ class Broadcaster:
     def _emit(self, out: grouped.Out) -> None:
         if out or self._replies or self.tree.busy():
             self._flying.set()
-        if self.tree.flush_at is not None:
+        if self.tree.flush_at is not None and self.tree.flush_at < self._carry_until:
             self._gathering.set()
         for dst, msg in out:
             if isinstance(msg, grouped.Carried):
@@ -549,15 +551,22 @@ class Broadcaster:
                 nursery.start_soon(until, self._progress.wait)
 
     async def _carry(self) -> None:
-        """A leader's gathered batches leave grouped.LINGER after the first came."""
+        """A leader's gathered batches leave when due (grouped.LINGER): a later batch
+        may put that off, an urgent one bring it forward (which wakes this)."""
         while True:
             await self._gathering.wait()
             self._gathering = trio.Event()
             while (at := self.tree.flush_at) is not None:
-                await trio.sleep_until(trio.current_time() + max(0.0, at - time.monotonic()))
-                if self.tree.flush_at is not None and time.monotonic() >= self.tree.flush_at:
-                    self._emit(self.tree.flush(time.monotonic()))
-                    self._notify()
+                wait = at - time.monotonic()
+                if wait > 0:
+                    self._carry_until = at
+                    with trio.move_on_after(wait):
+                        await self._gathering.wait()
+                    self._carry_until = math.inf
+                    self._gathering = trio.Event()
+                    continue
+                self._emit(self.tree.flush(time.monotonic()))
+                self._notify()
 
     def _send(self, dst: str, msg: object, attempt: int = 0) -> None:
         """One message down or up a tree, not waited for: its call's outcome comes

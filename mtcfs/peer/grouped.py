@@ -9,8 +9,9 @@ messages per host per save.
 Here the hosts form groups of `group` consecutive hosts of the sorted list of
 live hosts (about the square root of N from RELAY_FROM hosts on; below that a
 group of one, which is the plain tree). A host hands its batch to its group's
-first live host (`Carry`), which applies it and, after at most LINGER, sends
-every batch it holds down one tree as a `Bundle`; once that tree completed it
+first live host (`Carry`), which applies it and, once no other came for
+LINGER (at most LINGER_MOST after the first), sends every batch it holds down
+one tree as a `Bundle`; once that tree completed it
 tells each writer (`Carried`). So a save costs N / group trees, and a host
 forwards and acks about sqrt(N) of them. The writer's commit rule is
 unchanged: a batch is complete once every host live in the trees' views
@@ -51,12 +52,16 @@ from mtcfs.peer import fanout
 from mtcfs.peer.fanout import DELIVERED_RETRY, Ack, Fanout, Forward
 
 RELAY_FROM = 64  # hosts: from this many on, groups of about sqrt(N) (below: no groups)
-# Seconds a leader gathers its group's batches before its tree leaves: a save's
-# batches leave their hosts within a few hundred ms (mtcfs.peer.outbox), and a
-# bundle of them is one tree for every host instead of one each. With a batch a
-# commit or an fsync waits for among them (Part.urgent), URGENT_LINGER: the
-# fsyncs of a job's hosts come at once and still share a tree.
-LINGER = 0.1
+# Seconds a leader gathers its group's batches before its tree leaves: LINGER
+# after the last that came, at most LINGER_MOST after the first. A save's batches
+# leave their hosts over a second or more on a busy job (each host's files, then
+# its copies' announcements: mtcfs.peer.outbox), and a bundle of them is one tree
+# for every host instead of one each: with a fixed LINGER after the first, 64
+# hosts saving every 10 s made 3.5 trees per host per save, one part each. With a
+# batch a commit or an fsync waits for among them (Part.urgent), URGENT_LINGER
+# after the first: the fsyncs of a job's hosts come at once and still share a tree.
+LINGER = 0.2
+LINGER_MOST = 1.0
 URGENT_LINGER = 0.01
 TRIES = 3  # hand-overs to a leader before the writer sends it down its own tree
 MAX_PARTS = 1024  # batches one bundle carries at most (security bounds the entries)
@@ -183,6 +188,7 @@ class GroupedFanout:
         self._gathered_keys: set[tuple[str, int]] = set()
         self._gathered_bytes = 0
         self.flush_at: float | None = None  # when the gathered batches must leave
+        self._latest = 0.0  # ... at the latest (LINGER_MOST after the first)
         self._bundles: dict[int, tuple[Part, ...]] = {}  # tree seq -> parts in flight
         self._in_bundles: set[tuple[str, int]] = set()  # their parts' (origin, seq)
         self._carried: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -220,12 +226,10 @@ class GroupedFanout:
             return self._seq, [(leader, Carry(part))]
         if own_tree:
             return self._seq, self._send_down((part,), now)
-        # A leader's own batch waits LINGER (URGENT_LINGER) for its group's (a step:
-        # all write at once), or leaves with those already waiting; without groups,
-        # at once.
-        waiting = bool(self._gathered)
+        # A leader's own batch is gathered with its group's (a step: all write at
+        # once); without groups it leaves at once.
         self._gather(part, now)
-        if waiting or group_size(len(self.live()) + 1, self.group) <= 1:
+        if group_size(len(self.live()) + 1, self.group) <= 1:
             return self._seq, self.flush(now)
         return self._seq, []
 
@@ -248,8 +252,12 @@ class GroupedFanout:
 
     def _gather(self, part: Part, now: float) -> None:
         # (None exactly while nothing is gathered: flush() clears both.)
-        due = now + (URGENT_LINGER if part.urgent else LINGER)
-        self.flush_at = due if self.flush_at is None else min(self.flush_at, due)
+        if self.flush_at is None:
+            self._latest = now + LINGER_MOST
+            self.flush_at = now + LINGER
+        if part.urgent:
+            self._latest = min(self._latest, now + URGENT_LINGER)
+        self.flush_at = min(self._latest, max(self.flush_at, now + LINGER))
         self._gathered.append(part)
         self._gathered_keys.add((part.origin, part.seq))
         self._gathered_bytes += part.size

@@ -28,14 +28,14 @@ from mtcfs.peer.v1 import peer_pb2 as pb
 # the first change that waits.
 GATHER = 0.02
 DIRECTORY_GATHER = 0.1
-GATHER_MOST = 0.25
+GATHER_MOST = 0.5
 # ... and an announcement of where copies are (a replica landed): a commit sends
 # it at once, and the holders of a dead writer's replicas announce them again
 # (ReplicatedIndex.announce_replicas_of), so a save's pushes share one batch.
-ANNOUNCE = 1.0
+ANNOUNCE = 2.0
 # ... each one starting that wait again (a save's replicas land over a second or
 # two on a busy job: one batch, not three), at most this long after the first.
-ANNOUNCE_MOST = 3.0
+ANNOUNCE_MOST = 5.0
 
 
 class Outbox:

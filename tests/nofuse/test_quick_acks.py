@@ -50,9 +50,9 @@ class Peer:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def say(self, kind: int, seq: int, target: str = "",
-            updates: tuple[pb.MemberUpdate, ...] = ()) -> None:
+            updates: tuple[pb.MemberUpdate, ...] = (), node_id: str = "node-fake") -> None:
         m = pb.GossipMessage(from_node=self.addr, kind=kind, seq=seq,
-                             incarnation=self.incarnation, target=target, node_id="node-fake",
+                             incarnation=self.incarnation, target=target, node_id=node_id,
                              updates=updates)
         host, port = self.host.rsplit(":", 1)
         self.sock.sendto(self.codec.seal(m, self.host), (host, int(port)))
@@ -219,3 +219,20 @@ def test_a_busy_loop_refutes_a_suspicion_at_once(pair: tuple[Host, Peer]) -> Non
     assert host.members.swim.incarnation == was + 2
     assert host.members.swim.status()["refutations"] == refutations + 2
     assert host.members.status()["datagrams"]["quick_refutations"] == 2
+
+
+def test_a_peer_is_found_by_its_node_id_and_by_its_new_one(pair: tuple[Host, Peer]) -> None:
+    """Membership.by_node (asked for each holder of each file a batch changes) is kept
+    by membership version: a host at the same address that speaks with another node
+    id (a replacement) is found by the new id at once, and no longer by the old."""
+    host, peer = pair
+    members = host.members
+    assert members.by_node("node-fake") is members.peers[peer.addr]
+    assert members.by_node("node-other") is None
+    peer.say(swim.PING, 1001, node_id="node-new")
+    deadline = time.monotonic() + 10
+    while members.peers[peer.addr].node_id != "node-new" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert members.by_node("node-new") is members.peers[peer.addr]
+    assert members.by_node("node-fake") is None
+    assert members.is_live("node-new") and not members.is_live("node-fake")
