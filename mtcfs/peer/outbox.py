@@ -3,7 +3,7 @@ change here, the broadcaster takes them in batches (mtcfs.peer.dissemination).
 Built before both, so that neither is wired to the other after construction.
 
 Each change says how long it may wait for others to share its batch: a batch
-costs every host a gRPC call, an apply and an ack whatever it carries, so a
+costs every host a tree message, an apply and an ack whatever it carries, so a
 save's step directory and the closes of its files leave together (GATHER,
 DIRECTORY_GATHER, GATHER_MOST), and the announcement that a
 replica landed rides with the next batch or after ANNOUNCE. A commit takes
@@ -33,8 +33,8 @@ GATHER_MOST = 0.5
 # it at once, and the holders of a dead writer's replicas announce them again
 # (ReplicatedIndex.announce_replicas_of), so a save's pushes share one batch.
 ANNOUNCE = 2.0
-# ... each one starting that wait again (a save's replicas land over a second or
-# two on a busy job: one batch, not three), at most this long after the first.
+# ... each one starting that wait again (a save's replicas land over a few seconds
+# on a busy job: one batch, not three), at most this long after the first.
 ANNOUNCE_MOST = 5.0
 
 
