@@ -149,6 +149,39 @@ class Peer:
         }
 
 
+def named(p: Peer, node_id: str, domain: str, data_port: int) -> bool:
+    """Take what `p` says it is. True when that is a new node id or failure domain at
+    its address (a replacement host): a new membership version, so that the placement
+    ring and Membership.by_node are made again."""
+    new = (p.node_id, p.domain) != (node_id, domain)
+    p.node_id, p.domain, p.data_port = node_id, domain, data_port
+    return new
+
+
+class LiveByNode:
+    """The live peers by node id, as of a membership version: Membership.by_node is
+    asked for each holder of each file an index batch changes, so not a walk of every
+    peer."""
+
+    def __init__(self, peers: dict[str, Peer]) -> None:
+        self.peers = peers  # (Membership's own table)
+        self.as_of = -1  # the membership version the table was made at
+        self.live: dict[str, Peer] = {}
+
+    def get(self, node_id: str, version: int) -> Peer | None:
+        p = self.live.get(node_id) if version == self.as_of else None
+        if p is not None and p.alive and p.node_id == node_id:
+            return p
+        if p is None and version == self.as_of:
+            return None
+        # Made again for this version (or after a peer changed without one).
+        self.as_of, self.live = version, {}
+        for q in self.peers.values():
+            if q.alive and q.node_id and q.node_id not in self.live:
+                self.live[q.node_id] = q
+        return self.live.get(node_id)
+
+
 class MembershipEvents(Protocol):
     """What membership tells (mtcfs.core.events.Listener has these)."""
 
@@ -339,9 +372,7 @@ class Membership:
         # The placement ring as of a membership version (-1: not made yet).
         self._ring: tuple[int, list[str], dict[str, str]] = (-1, [], {})
         self._ring_version = 0
-        # The live peers by node id as of a membership version (by_node: asked for each
-        # holder of each file an index batch changes, so not a walk of every peer).
-        self._live_by_node: tuple[int, dict[str, Peer]] = (-1, {})
+        self._live_by_node = LiveByNode(self.peers)
         self._changed = trio.Event()
         self._hellos: dict[int, str] = {}  # seq of a hello -> the peer it went to
         self.answered: set[str] = set()  # peers that answered a hello: they know us
@@ -434,19 +465,7 @@ class Membership:
                    for p in self.peers.values())
 
     def by_node(self, node_id: str) -> Peer | None:
-        version, live = self._live_by_node
-        p = live.get(node_id) if version == self._ring_version else None
-        if p is not None and p.alive and p.node_id == node_id:
-            return p
-        if version == self._ring_version and p is None:
-            return None
-        # Made again for this version (or after a peer changed without one).
-        live = {}
-        for q in self.peers.values():
-            if q.alive and q.node_id and q.node_id not in live:
-                live[q.node_id] = q
-        self._live_by_node = (self._ring_version, live)
-        return live.get(node_id)
+        return self._live_by_node.get(node_id, self._ring_version)
 
     def unresolved(self) -> list[Peer]:
         """Configured peers neither alive nor known dead (e.g. not heard of yet)."""
@@ -469,14 +488,6 @@ class Membership:
     def declared_dead(self) -> None:
         log.warning("the other hosts declared this host dead (cut off, or too slow): "
                     "refuted, incarnation %d", self.swim.incarnation)
-
-    def _named(self, p: Peer, node_id: str, domain: str, data_port: int) -> None:
-        """What `p` says it is. A new node id or failure domain at an address (a
-        replacement host) is a new membership version: the placement ring and
-        by_node are made again."""
-        if (p.node_id, p.domain) != (node_id, domain):
-            self._ring_version += 1
-        p.node_id, p.domain, p.data_port = node_id, domain, data_port
 
     def _refresh(self, addr: str) -> None:
         """Bring a peer's liveness in line with SWIM's view; tell what changed."""
@@ -616,7 +627,8 @@ class Membership:
             security.check_node_id(m.node_id, "node id")
         except security.BadRequest:
             return
-        self._named(p, m.node_id, m.failure_domain, m.data_port)
+        if named(p, m.node_id, m.failure_domain, m.data_port):
+            self._ring_version += 1
         was_ready = p.ready
         p.ram_free, p.ready = m.ram_free, m.ready
         p.heard_at = time.monotonic()
@@ -664,7 +676,8 @@ class Membership:
                     continue
                 if u.node_id == self.node_id:
                     continue
-                self._named(q, u.node_id, u.failure_domain, u.data_port)
+                if named(q, u.node_id, u.failure_domain, u.data_port):
+                    self._ring_version += 1
                 if not q.alive:
                     q.ready = False  # not known until it speaks to us
                 q.heard = True
