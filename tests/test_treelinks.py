@@ -149,3 +149,35 @@ def test_a_peer_without_a_data_channel_gets_every_message_by_grpc():
     assert links.forward(ADDR, forward(1, 1), outcome) is False
     assert len(grpc.sent) == 1 and links.status()["streams_opened"] == 0
     links.close()
+
+
+def test_a_host_declared_gone_gets_a_new_stream_and_what_its_old_one_held_fails():
+    """A host declared dead (or restarted) while its stream is full: the stream is
+    dropped at once, what it held fails (the tree resends what it must), and the
+    next message goes down a new stream, not behind the old one's bytes, and not
+    by gRPC."""
+    receiver = Receiver()
+    server = BulkServer(receiver, receiver.run, Keys(TOKEN), ("127.0.0.1", 0))  # type: ignore
+    server.start()
+    links, grpc = links_to(server.port)
+    failed, outcome = failed_outcomes()
+    try:
+        assert links.forward(ADDR, forward(1, 1), outcome)
+        wait_until(lambda: len(receiver.got) == 1, 10, what="the first message")
+        receiver.gate.clear()  # as a host cut off: nothing more is read
+        for seq in range(2, 1202):
+            assert links.forward(ADDR, forward(seq, 40), outcome)
+        wait_until(lambda: links.status()["written_at_once"] < links.status()["streamed"], 10,
+                   what="the stream to fill")
+        links.gone(ADDR)
+        wait_until(lambda: failed, 10, what="the held messages to fail")
+        receiver.gate.set()
+        assert links.forward(ADDR, forward(5000, 1), outcome)
+        wait_until(lambda: any(m.seq == 5000 for m in receiver.got), 10,
+                   what="the message on the new stream")
+        st = links.status()
+        assert st["streams_opened"] == 2 and st["stream_failures"] == 0, st
+        assert not grpc.sent
+    finally:
+        links.close()
+        server.stop()

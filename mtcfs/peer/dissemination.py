@@ -143,6 +143,13 @@ class TreeTransport(Protocol):
         then told only of a failure), False if `outcome` tells how its call went."""
         ...
 
+    def gone(self, addr: str) -> None:
+        """`addr` was declared dead, or restarted: what waits on its way there is
+        dropped (the tree resends what it must), so that nothing held up by a cut
+        (a stream's unacknowledged bytes, in TCP's backoff) delays what comes
+        once it is back."""
+        ...
+
     def close(self) -> None: ...
     def status(self) -> dict[str, int]: ...
 
@@ -186,6 +193,9 @@ class TreeCalls:
         # The stub here: the membership's peers are the trio thread's.
         self._queue.put(_Call(self.members.stub_for(addr), msg, outcome))
         return False
+
+    def gone(self, addr: str) -> None:
+        """(Each call has its deadline: nothing to drop.)"""
 
     def close(self) -> None:
         with self._lock:
@@ -316,6 +326,7 @@ class Broadcaster:
         now = time.monotonic()
         out: grouped.Out = []
         for addr in sorted(before - after):
+            self.calls.gone(addr)
             out += self.tree.dead(addr, now)
         for addr in sorted(after - before):
             out += self.tree.alive(addr, now)
@@ -324,6 +335,7 @@ class Broadcaster:
 
     def restarted(self, addr: str) -> None:
         """`addr` is a new process: batches its previous life took are sent again now."""
+        self.calls.gone(addr)
         self._emit(self.tree.restarted(addr, time.monotonic()))
 
     # -- publishing --------------------------------------------------------------------

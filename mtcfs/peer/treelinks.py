@@ -26,9 +26,12 @@ older mtcfs) gets gRPC for REFUSED_DOWN.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import select
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 IDLE = 120.0  # seconds a stream with nothing to send stays open (its thread ends)
 DOWN = 10.0  # seconds a peer's messages go by gRPC after its stream failed
 REFUSED_DOWN = 600.0  # ... after it refused a stream (another version of mtcfs)
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets, unsent bytes dropped
 
 
 @dataclass
@@ -72,6 +76,7 @@ class _Link:
     # behind it. False only on plain TCP with nothing queued.
     busy: bool = True
     used: float = 0.0  # last written by the trio thread (the thread's idle clock)
+    gone: bool = False  # dropped: its host was declared dead or restarted
 
 
 class TreeLinks:
@@ -151,6 +156,24 @@ class TreeLinks:
             known = self._to[addr] = (p.data_port, data_address(p))
         return known[1]
 
+    def gone(self, addr: str) -> None:
+        """`addr` was declared dead or restarted: its stream is dropped at once, its
+        unsent bytes with it (a reset), and its queued messages fail as a stream's
+        do. The next message to it opens a new stream: one through a cut would hold
+        it behind bytes TCP retransmits with a backoff of seconds."""
+        known = self._to.get(addr)
+        with self._lock:
+            link = self._links.pop(known[1], None) if known is not None else None
+            if link is None:
+                return
+            link.open, link.busy, link.gone = False, True, True
+            conn = link.conn
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                conn.sock.shutdown(socket.SHUT_RDWR)  # (a write it waits in fails)
+        link.queue.put((None, _nothing))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -174,6 +197,9 @@ class TreeLinks:
                             link.open = link.busy = False  # (a new one is made if needed)
                             return
                     continue
+                if link.gone:
+                    self._fail_queued(link, (msg, outcome))
+                    return
                 if msg is None:
                     return
                 try:
@@ -204,6 +230,9 @@ class TreeLinks:
     def _failed(self, link: _Link, e: Exception, first: Item) -> None:
         """The stream failed: this message and those queued behind it failed (their
         resends go by gRPC, as the peer's next messages for a while)."""
+        if link.gone:  # (dropped on purpose: its messages fail, no gRPC spell)
+            self._fail_queued(link, first)
+            return
         self.counters.stream_failures += 1
         refused = isinstance(e, Remote)
         log.log(logging.WARNING if refused else logging.DEBUG,
@@ -212,6 +241,10 @@ class TreeLinks:
         with self._lock:
             link.open = False
             self._down[link.to] = time.monotonic() + (REFUSED_DOWN if refused else DOWN)
+        self._fail_queued(link, first)
+
+    @staticmethod
+    def _fail_queued(link: _Link, first: Item) -> None:
         left = [first]
         while not link.queue.empty():
             left.append(link.queue.get())

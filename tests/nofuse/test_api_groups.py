@@ -13,7 +13,9 @@ import time
 import pytest
 import trio
 
-from support.inprocess import Host
+from mtcfs.peer import grouped
+
+from support.inprocess import Host, until
 from support.peercluster import silence, sorted_cluster, tree
 
 pytestmark = [pytest.mark.nofuse, pytest.mark.trio]
@@ -50,6 +52,30 @@ async def test_a_members_commit_is_on_every_host_through_its_leader(make_host) -
         assert grew(member, "handed") >= 1 and grew(member, "bundles") == 0, after[member]
     assert grew("h0", "carried_for_others") >= 2 and grew("h3", "carried_for_others") >= 2
     assert all(a["own_trees"] == 0 and a["in_flight"] == 0 for a in after.values()), after
+
+
+async def test_a_commit_behind_a_plain_batch_at_its_leader_leaves_at_once(
+        make_host, monkeypatch) -> None:
+    """A leader holds a plain batch while more may join it (grouped.LINGER, here 5 s);
+    a batch an fsync waits for, handed to it meanwhile, brings the bundle's time
+    forward (URGENT_LINGER) and takes the plain one with it: the fsync does not
+    wait out the plain batch's linger."""
+    monkeypatch.setattr(grouped, "LINGER", 5.0)
+    monkeypatch.setattr(grouped, "LINGER_MOST", 10.0)
+    hosts = await cluster(make_host)
+    leader, plain, urgent, far = hosts[0], hosts[1], hosts[2], hosts[4]
+    leader.makedirs("step")
+    await leader.write_file("step/marker", b"m", fsync=True)
+    await plain.write_file("step/plain", b"p")  # no fsync: handed over, held
+    await until(lambda: leader.exists("step/plain"), what="the hand-over")
+    await trio.sleep(0.3)
+    assert not far.exists("step/plain")  # held at its leader
+    t0 = time.monotonic()
+    await urgent.write_file("step/urgent", b"u", fsync=True)
+    took = time.monotonic() - t0
+    assert took < 3.0, took  # (the plain batch's linger: 5 s)
+    assert far.exists("step/urgent") and far.exists("step/plain")
+    assert tree(leader)["bundles"] >= 1 and tree(urgent)["own_trees"] == 0
 
 
 async def test_a_dead_leaders_members_send_their_batches_down_their_own_trees(
