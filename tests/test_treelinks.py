@@ -7,8 +7,10 @@ multi-daemon tests (tests/test_bulk.py: a host without a data channel)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,16 +94,26 @@ def failed_outcomes() -> tuple[list[int], Any]:
     return failed, outcome
 
 
-def test_messages_arrive_in_order_also_when_the_receivers_socket_is_full():
-    """The sender writes frames itself while the socket takes them whole; once the
-    receiver stops reading, its thread finishes the frame cut short and what
-    queued behind it, and everything arrives once, in order."""
+@contextlib.contextmanager
+def receiving() -> Iterator[tuple[Receiver, BulkServer, TreeLinks, Grpc, list[int], Any]]:
+    """A receiving channel server and this host's links to it; closed after."""
     receiver = Receiver()
     server = BulkServer(receiver, receiver.run, Keys(TOKEN), ("127.0.0.1", 0))  # type: ignore
     server.start()
     links, grpc = links_to(server.port)
     failed, outcome = failed_outcomes()
     try:
+        yield receiver, server, links, grpc, failed, outcome
+    finally:
+        links.close()
+        server.stop()
+
+
+def test_messages_arrive_in_order_also_when_the_receivers_socket_is_full():
+    """The sender writes frames itself while the socket takes them whole; once the
+    receiver stops reading, its thread finishes the frame cut short and what
+    queued behind it, and everything arrives once, in order."""
+    with receiving() as (receiver, server, links, grpc, failed, outcome):
         sent = []
         for seq in range(1, 21):
             sent.append(seq)
@@ -120,9 +132,6 @@ def test_messages_arrive_in_order_also_when_the_receivers_socket_is_full():
         assert not failed and not grpc.sent
         assert links.status()["streams_opened"] == 1
         assert server.status()["tree_messages"] == len(sent)
-    finally:
-        links.close()
-        server.stop()
 
 
 def test_a_peer_whose_channel_does_not_answer_gets_its_messages_by_grpc():
@@ -156,12 +165,7 @@ def test_a_host_declared_gone_gets_a_new_stream_and_what_its_old_one_held_fails(
     dropped at once, what it held fails (the tree resends what it must), and the
     next message goes down a new stream, not behind the old one's bytes, and not
     by gRPC."""
-    receiver = Receiver()
-    server = BulkServer(receiver, receiver.run, Keys(TOKEN), ("127.0.0.1", 0))  # type: ignore
-    server.start()
-    links, grpc = links_to(server.port)
-    failed, outcome = failed_outcomes()
-    try:
+    with receiving() as (receiver, server, links, grpc, failed, outcome):
         assert links.forward(ADDR, forward(1, 1), outcome)
         wait_until(lambda: len(receiver.got) == 1, 10, what="the first message")
         receiver.gate.clear()  # as a host cut off: nothing more is read
@@ -178,6 +182,3 @@ def test_a_host_declared_gone_gets_a_new_stream_and_what_its_old_one_held_fails(
         st = links.status()
         assert st["streams_opened"] == 2 and st["stream_failures"] == 0, st
         assert not grpc.sent
-    finally:
-        links.close()
-        server.stop()
