@@ -21,7 +21,7 @@ fanout.REPAIR_WINDOW, and otherwise it catches up by snapshot (the peer
 tier's catch-up when a host comes back).
 
 Changes are coalesced into batches (up to MAX_BATCH entries): a batch leaves
-when its first change is due (mtcfs.peer.outbox: 20 ms for a change, 1 s
+when its first change is due (mtcfs.peer.outbox: 20 ms for a change, 2 s
 for an announcement of a copy; while a batch of this host's is on its way, up
 to BUSY_HOLD later), when MAX_BATCH entries wait, or when a commit waits. A
 thousand changes made one by one cost a few batches, not a thousand trees, and
@@ -124,13 +124,9 @@ class Inbox(Protocol):
 class Settles(Protocol):
     """The kernel's caches (mtcfs.fs.kernel)."""
 
-    def settle(self, timeout: float) -> bool:
-        """Wait (in a worker thread) until the kernel dropped what it caches of the
-        names applied so far; False if it did not within `timeout`."""
-        ...
-
     def when_settled(self, callback: Callable[[], None]) -> None:
-        """Call `callback` (from any thread) once it has: a wait that holds no thread."""
+        """Call `callback` (from any thread) once the kernel dropped what it caches of
+        the names applied so far: a wait that holds no thread."""
         ...
 
 
