@@ -76,7 +76,7 @@ class Host:
     def begin_receive(self, e: pb.Entry) -> tuple[int, str]:
         return self.ram.begin_incoming(e.size)
 
-    def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
+    def finish_receive(self, e: pb.Entry, above: list[pb.Entry], key: int, tmp: str) -> bool:
         ino = 1000 + len(self.stored)
         self.ram.install_incoming(key, tmp, ino)
         self.held[e.id] = (ino, e.size)

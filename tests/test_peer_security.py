@@ -298,8 +298,10 @@ def pieces(data: bytes, start: int = 0) -> list[pb.PushChunk]:
             for off in range(0, len(data), PIECE)]
 
 
-def push(e: pb.Entry, chunks: list[pb.PushChunk], path: str | None = None) -> list[pb.PushChunk]:
-    header = pb.PushHeader(entry=e, path=e.name.decode() if path is None else path)
+def push(e: pb.Entry, chunks: list[pb.PushChunk], path: str | None = None,
+         above: list[pb.Entry] = ()) -> list[pb.PushChunk]:
+    header = pb.PushHeader(entry=e, path=e.name.decode() if path is None else path,
+                           above=above)
     return [pb.PushChunk(header=header), *chunks]
 
 
@@ -512,6 +514,15 @@ BAD_PUSHES: dict[str, tuple[grpc.StatusCode, Callable[[], list[pb.PushChunk]]]] 
     "a corrupt block": (Code.DATA_LOSS, _bad_block_crcs),
     "block crcs that contradict the crc": (Code.DATA_LOSS, lambda: push(
         push_entry(block_crcs=struct.pack("<I", 7)), pieces(PUSH_DATA))),
+    "a file among the directories above": (Code.INVALID_ARGUMENT, lambda: push(
+        push_entry(), pieces(PUSH_DATA), above=[push_entry()])),
+    "a tombstone among the directories above": (Code.INVALID_ARGUMENT, lambda: push(
+        push_entry(), pieces(PUSH_DATA),
+        above=[pb.Entry(id=new_id(), removed=True, lamport=LAMPORT, writer=SENDER)])),
+    "a directory above named ..": (Code.INVALID_ARGUMENT, lambda: push(
+        push_entry(), pieces(PUSH_DATA), above=[dir_entry(name=b"..")])),
+    "65 directories above": (Code.INVALID_ARGUMENT, lambda: push(
+        push_entry(), pieces(PUSH_DATA), above=[dir_entry() for _ in range(65)])),
 }
 
 
@@ -747,6 +758,20 @@ def test_well_formed_push_is_stored(node: Node) -> None:
     expect(Code.ALREADY_EXISTS, lambda: node.stub.PushFile(iter(chunks), timeout=TIMEOUT,
                                                            metadata=node.md), "the same push again")
     assert_unchanged(node, after, "the same push again")
+
+
+def test_a_push_with_its_directories_is_stored_under_them(node: Node) -> None:
+    """A replica brings the directories above its file (its writer's batch naming them
+    may come later): they are made here, the file stored in them."""
+    step = dir_entry(name=b"step-" + new_id().encode())
+    shard = dir_entry(parent=step.id, name=b"shard")
+    e = push_entry(parent=shard.id)
+    reply = expect(Code.OK, lambda: node.stub.PushFile(
+        iter(push(e, pieces(PUSH_DATA), path="s/shard/f", above=[step, shard])),
+        timeout=TIMEOUT, metadata=node.md), "a PushFile with its directories")
+    assert reply.stored
+    path = node.mount.path / step.name.decode() / "shard" / e.name.decode()
+    assert path.read_bytes() == PUSH_DATA
 
 
 # -- the command line: peers need a secret -------------------------------------------------------

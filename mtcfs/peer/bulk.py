@@ -64,7 +64,7 @@ import ssl
 import struct
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -949,12 +949,19 @@ class BulkServer:
     # -- push (a replica arriving) ---------------------------------------------------
 
     def _push(self, conn: Conn, msg: dict[str, Any]) -> None:
+        above = msg.get("above", [])
+        if not isinstance(above, list) or len(above) > security.MAX_ANCESTRY:
+            raise BadRequest("a push's directories: a list, of at most "
+                             f"{security.MAX_ANCESTRY}")
         try:
             e = pb.Entry.FromString(base64.b64decode(str(msg.get("entry", "")), validate=True))
+            dirs = [pb.Entry.FromString(base64.b64decode(str(d), validate=True))
+                    for d in above]
         except (ValueError, DecodeError):  # (protobuf's DecodeError is no ValueError)
             raise BadRequest("a push needs its entry") from None
         path = str(msg.get("path", ""))
         security.check_entry(e)
+        security.check_directories(dirs)
         security.check_path(path)
         if e.removed or not e.has_crc or not e.block_crcs:
             raise BadRequest("a pushed file needs its crc32c and block crc32cs")
@@ -966,18 +973,21 @@ class BulkServer:
             fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
             yielded = 0.0
             try:
-                for _, length, crc in conn.land_blocks(fd, spans(0, e.size), self.verifier):
+                for off, length, crc in conn.land_blocks(fd, spans(0, e.size), self.verifier):
                     verify.feed_crc(length, crc)  # raises IntegrityError on a bad crc32c
                     self.bytes_received += length
-                    # This host's trainer is writing: let it have the CPU (bounded).
-                    yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
+                    if off + length < e.size:
+                        # This host's trainer is writing: let it have the CPU (bounded).
+                        # (Not after the last block: nothing is left to take, and the
+                        # sender's change may wait for this copy.)
+                        yielded += self.handler.yield_to_writes(mover.MAX_YIELD - yielded)
                 verify.finish()
                 if conn.recv_control().get("op") != "end":
                     raise BadRequest("expected the end of the push")
             finally:
                 os.close(fd)
             conn.sock.settimeout(REPLY_TIMEOUT)
-            ok = self.in_owner(self.handler.finish_receive, e, key, tmp)
+            ok = self.in_owner(self.handler.finish_receive, e, dirs, key, tmp)
         except Exception as exc:
             log.warning("replica of %s from %s rejected: %s", path, e.writer, exc)
             raise
@@ -1132,16 +1142,20 @@ class BulkPool:
         return c
 
     def push(self, addr: tuple[str, int], fd: int, entry: pb.Entry, path: str,
-             yield_to_writes: Callable[[], None], mapped: bool = False
-             ) -> tuple[str, str, bool]:
+             yield_to_writes: Callable[[], None], mapped: bool = False,
+             above: Sequence[pb.Entry] = ()) -> tuple[str, str, bool]:
         """Push one replica (fd: the file, open; `mapped`: the caller holds a pin on it,
-        see Conn.send_blocks); returns (status code name, details, stored) as the gRPC
-        push does."""
+        see Conn.send_blocks; `above`: its directories, outermost first); returns
+        (status code name, details, stored) as the gRPC push does."""
         size = entry.size
+        request = {"op": "push", "path": path,
+                   "entry": base64.b64encode(entry.SerializeToString()).decode()}
+        if above:
+            request["above"] = [base64.b64encode(d.SerializeToString()).decode()
+                                for d in above]
         try:
             with self.conn(addr) as c:
-                c.send_control({"op": "push", "path": path,
-                                "entry": base64.b64encode(entry.SerializeToString()).decode()})
+                c.send_control(request)
                 c.recv_reply()
                 try:
                     for _ in c.send_blocks(fd, 0, size, yield_to_writes, self.verifier,

@@ -71,8 +71,8 @@ class DataChannel:
 
     # -- transfers (blocking: from worker threads) ----------------------------------------
 
-    def push(self, p: Peer, *args: Any) -> tuple[str, str, bool]:
-        return self.pool.push(data_address(p), *args)
+    def push(self, p: Peer, *args: Any, **kwargs: Any) -> tuple[str, str, bool]:
+        return self.pool.push(data_address(p), *args, **kwargs)
 
     def fetch(self, p: Peer, *args: Any) -> None:
         self.pool.fetch(data_address(p), *args)
@@ -110,7 +110,7 @@ class NoDataChannel(DataChannel):
     def stop(self) -> None:
         pass
 
-    def push(self, p: Peer, *args: Any) -> tuple[str, str, bool]:
+    def push(self, p: Peer, *args: Any, **kwargs: Any) -> tuple[str, str, bool]:
         raise BulkError("no data channel here")
 
     def fetch(self, p: Peer, *args: Any) -> None:

@@ -61,8 +61,8 @@ RELAY_FROM = 64  # hosts: from this many on, groups of about sqrt(N) (below: no 
 # 1.7 of them. With a
 # batch a commit or an fsync waits for among them (Part.urgent), URGENT_LINGER
 # after the first: the fsyncs of a job's hosts come at once and still share a tree.
-LINGER = 0.2
-LINGER_MOST = 1.0
+LINGER = 0.5
+LINGER_MOST = 2.0
 URGENT_LINGER = 0.01
 TRIES = 3  # hand-overs to a leader before the writer sends it down its own tree
 MAX_PARTS = 1024  # batches one bundle carries at most (security bounds the entries)

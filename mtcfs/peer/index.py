@@ -175,6 +175,22 @@ def first_hand(e: pb.Entry, source: str) -> pb.Entry:
     return e
 
 
+def visible(node: Inode) -> bool:
+    """Other hosts see directories, symlinks and sealed files (not ones being written)."""
+    if not node.linked or node.ino == ROOT:
+        return False
+    return not node.is_file or (node.state == CLOSED and node.version > 0)
+
+
+def directories_above(ns: Namespace, node: Inode) -> list[Inode]:
+    """The visible directories above `node`, outermost first."""
+    out, d = [], ns.inodes.get(node.parent)
+    while d is not None and d.ino != ROOT:
+        out += [d] if visible(d) else []
+        d = ns.inodes.get(d.parent)
+    return out[::-1]
+
+
 class ReplicatedIndex:
     def __init__(self, ns: Namespace, node_id: str, hooks: Hooks | None = None,
                  copies: Copies | None = None, now: Callable[[], float] | None = None,
@@ -242,9 +258,13 @@ class ReplicatedIndex:
 
     def announce_replicas_of(self, writer: str) -> None:
         """`writer` died or restarted: announce at once the replicas of its files held
-        here, since its own announcement of them may have died with it (they wait:
-        mtcfs.peer.outbox)."""
-        for node in self.copies.replicas_from(writer):
+        here, and their directories (parents first), since its announcement of them,
+        or even its change (a small file's waits for its copies), may have died with
+        it (they wait: mtcfs.peer.outbox)."""
+        nodes = self.copies.replicas_from(writer)
+        above = {d.ino: d for n in nodes for d in directories_above(self.ns, n)}
+        self.outbox.put([self.entry_of(d) for d in above.values()])
+        for node in nodes:
             self.holders_changed(node, at_once=True)
 
     def sources_changed(self, node: Inode, dropped: str = "") -> None:
@@ -254,37 +274,25 @@ class ReplicatedIndex:
         if not self.visible(node):
             return
         out = []
-        d = self.ns.inodes.get(node.parent)
-        while d is not None and d.ino != ROOT:
-            if self.visible(d):
-                self.recent.note(d.guid)
-                out.append(self.entry_of(d))
-            d = self.ns.inodes.get(d.parent)
+        for d in directories_above(self.ns, node):
+            self.recent.note(d.guid)
+            out.append(self.entry_of(d))
         self.recent.note(node.guid)
         e = self.entry_of(node)
         if dropped:
             only_dropped(e, dropped)
-        self.outbox.put([*out[::-1], e])
+        self.outbox.put([*out, e])
 
     def publish_ancestors(self, node: Inode) -> None:
         """Send `node`'s directories again where another host made them: a peer that
         has not heard of them yet (the other host's broadcast is still on its way)
         could not apply this host's change below them before it does."""
-        out = []
-        d = self.ns.inodes.get(node.parent)
-        while d is not None and d.ino != ROOT:
-            if d.writer and d.writer != self.node_id and self.visible(d):
-                out.append(self.entry_of(d))
-            d = self.ns.inodes.get(d.parent)
+        out = [self.entry_of(d) for d in directories_above(self.ns, node)
+               if d.writer and d.writer != self.node_id]
         if out:
-            self.outbox.put(out[::-1])  # parents first
+            self.outbox.put(out)  # parents first
 
-    @staticmethod
-    def visible(node: Inode) -> bool:
-        """Other hosts see directories, symlinks and sealed files (not ones being written)."""
-        if not node.linked or node.ino == ROOT:
-            return False
-        return not node.is_file or (node.state == CLOSED and node.version > 0)
+    visible = staticmethod(visible)
 
     def entry_of(self, node: Inode) -> pb.Entry:
         parent = self.ns.inodes[node.parent]

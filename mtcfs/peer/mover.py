@@ -89,11 +89,12 @@ def _varint(n: int) -> bytes:
 
 
 def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
-         metadata: tuple[tuple[str, str], ...], entry: bytes, path: str, data_path: str,
+         metadata: tuple[tuple[str, str], ...], header: bytes, data_path: str,
          size: int, timeout: float, stall: float,
          urgent: bool = False) -> tuple[str, str, bool]:
-    """Stream one replica; returns (status code name, details, stored). An urgent
-    push (an fsync waits for it, so its writer is blocked) does not yield."""
+    """Stream one replica (`header`: its pb.PushHeader); returns (status code name,
+    details, stored). An urgent push (an fsync waits for it, so its writer is
+    blocked) does not yield."""
     try:
         fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -109,8 +110,7 @@ def push(addr: str, tls: tuple[bytes, bytes, bytes | None] | None,
             last[0] = time.monotonic()  # paused on purpose: not a stall
 
     def chunks() -> Any:
-        yield pb.PushChunk(header=pb.PushHeader(entry=pb.Entry.FromString(entry),
-                                                path=path)).SerializeToString()
+        yield pb.PushChunk(header=pb.PushHeader.FromString(header)).SerializeToString()
         off = 0
         while off < size:
             yield_to_writes()

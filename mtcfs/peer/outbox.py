@@ -6,7 +6,8 @@ Each change says how long it may wait for others to share its batch: a batch
 costs every host a tree message, an apply and an ack whatever it carries, so a
 save's step directory and the closes of its files leave together (GATHER,
 DIRECTORY_GATHER, GATHER_MOST), and the announcement that a
-replica landed rides with the next batch or after ANNOUNCE. A commit takes
+replica landed rides in its file's change when the push beat it (COPY_WAIT_BYTES),
+else with the next batch or after ANNOUNCE. A commit takes
 everything at once (the broadcaster's wait_applied), so no wait here delays
 what the commit rule promises.
 """
@@ -36,6 +37,15 @@ ANNOUNCE = 2.0
 # ... each one starting that wait again (a save's replicas land over a few seconds
 # on a busy job: one batch, not three), at most this long after the first.
 ANNOUNCE_MOST = 5.0
+# A sealed file this small (one block of the data channel) waits (up to
+# COPY_WAIT_MOST after the first change: a push takes a second on a busy job) for
+# the push of its copies, whose announcement then rides
+# in its own entry: one entry per file for every host to apply instead of two, and
+# one tree a save instead of two. Its push takes milliseconds and does not yield to
+# the trainer's writes (mtcfs.peer.replicator). A larger file's push takes longer
+# than its change should wait: its announcement goes on its own.
+COPY_WAIT_BYTES = 4 << 20
+COPY_WAIT_MOST = 1.5
 
 
 class Outbox:
@@ -47,6 +57,8 @@ class Outbox:
         self._changes_due = math.inf
         self._announce_first = math.inf
         self._announce_due = math.inf
+        self._copying: set[str] = set()  # waiting changes' ids whose copies are being made
+        self.folded = 0  # announcements that rode in their file's change
         self._ready = trio.Event()
 
     def put(self, entries: list[pb.Entry]) -> None:
@@ -90,9 +102,25 @@ class Outbox:
                 if holder in e.sources:
                     e.sources.remove(holder)
 
+    def copying(self, e_id: str, size: int) -> None:
+        """Copies of the file whose change waits here (`e_id`) are being pushed: a small
+        one's change waits for them (see COPY_WAIT_BYTES; copied() ends the wait)."""
+        if size <= COPY_WAIT_BYTES and any(c.id == e_id for c in self.changes):
+            self._copying.add(e_id)
+            self._refresh_due()
+
+    def copied(self, e_id: str) -> None:
+        """The pushes of `e_id`'s copies are over (made or not)."""
+        if e_id in self._copying:
+            self._copying.discard(e_id)
+            self._refresh_due()
+            self._ready.set()  # the sending loop looks at the time again
+
     def announce(self, entries: list[pb.Entry]) -> None:
         """Queue announcements of copies: they leave with the next batch, or in one of
-        their own ANNOUNCE after the last, at most ANNOUNCE_MOST after the first."""
+        their own ANNOUNCE after the last, at most ANNOUNCE_MOST after the first. One
+        whose file's change still waits here rides in that change."""
+        entries = [e for e in entries if not self._fold(e)]
         if entries:
             now = time.monotonic()
             if not self.announcements:
@@ -100,13 +128,33 @@ class Outbox:
             self._announce_due = min(self._announce_first + ANNOUNCE_MOST, now + ANNOUNCE)
             self._queue(self.announcements, entries)
 
+    def _fold(self, e: pb.Entry) -> bool:
+        """`e` (an announcement) replaces its file's waiting change of the same stamp:
+        the same entry with its copies as they are now. (A drop travels on its own.)"""
+        if e.dropped:
+            return False
+        for c in reversed(self.changes):
+            if c.id == e.id:
+                if c.lamport != e.lamport or c.writer != e.writer or c.version != e.version:
+                    return False
+                c.CopyFrom(e)
+                self.folded += 1
+                return True
+        return False
+
     def _queue(self, into: list[pb.Entry], entries: list[pb.Entry]) -> None:
         for e in entries:
             for h in e.dropped:
                 self.dropped(e.id, h)
         into.extend(entries)
-        self.due = min(self._changes_due, self._announce_due)
+        self._refresh_due()
         self._ready.set()
+
+    def _refresh_due(self) -> None:
+        changes_due = self._changes_due
+        if self._copying:
+            changes_due = max(changes_due, self._changes_first + COPY_WAIT_MOST)
+        self.due = min(changes_due, self._announce_due)
 
     def take(self, most: int) -> list[pb.Entry]:
         """The oldest `most` entries waiting, changes first (removed from the outbox):
@@ -118,9 +166,12 @@ class Outbox:
             self.announcements = self.announcements[more:]
         if not self.changes:
             self._changes_first = self._changes_due = math.inf
+            self._copying.clear()
+        elif self._copying:
+            self._copying.difference_update(e.id for e in part)
         if not self.announcements:
             self._announce_due = math.inf
-        self.due = min(self._changes_due, self._announce_due)
+        self._refresh_due()
         return part
 
     def count(self) -> int:
@@ -132,6 +183,7 @@ class Outbox:
 
     def status(self) -> dict[str, object]:
         return {"changes": len(self.changes), "announcements": len(self.announcements),
+                "waiting_for_copies": len(self._copying), "folded": self.folded,
                 "overdue_seconds": round(self.overdue(), 3)}
 
     async def wait(self) -> None:

@@ -6,6 +6,7 @@ announces it (the peer tier hears that as it hears any copy change)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -24,11 +25,12 @@ from mtcfs.core.namespace import CLOSED, Inode, Namespace
 from mtcfs.core.retired import RetiredSteps
 from mtcfs.core.versions import local_only
 from mtcfs.fs.writeclock import WriteClock
-from mtcfs.peer import mover, placement
+from mtcfs.peer import mover, placement, security
 from mtcfs.peer.datachannel import DataChannel
 from mtcfs.peer.dissemination import Broadcaster
-from mtcfs.peer.index import ReplicatedIndex
+from mtcfs.peer.index import ReplicatedIndex, directories_above
 from mtcfs.peer.membership import Membership, Peer
+from mtcfs.peer.outbox import COPY_WAIT_BYTES
 from mtcfs.peer.stats import Stats
 from mtcfs.peer.v1 import peer_pb2 as pb
 from mtcfs.tiers.ram import RamTier
@@ -37,7 +39,10 @@ log = logging.getLogger(__name__)
 
 DRAIN_WAIT = 2.0  # a push waits this long at most for its file's entry to be everywhere
 STALL_TIMEOUT = 5.0  # a transfer with no progress for this long is abandoned
-REPLICATION_WORKERS = 2
+REPLICATION_WORKERS = 2  # files pushed at once (a large one keeps a link busy) ...
+# ... and small files (one block) besides: their changes wait for their copies
+# (mtcfs.peer.outbox), and a push of one is a round trip, not bandwidth.
+SMALL_PUSHES = 2
 RETRY_SHORT = 10.0  # how often files short of K copies are tried again
 
 
@@ -163,12 +168,13 @@ class Replicator:
         self._shared_last_write = multiprocessing.get_context("spawn").RawValue("d", 0.0)
         self._workers = PushWorkers(self._shared_last_write)
         self._grpc_pushes = 0  # pushes in the workers now: they read the clock above
+        self._large = trio.CapacityLimiter(REPLICATION_WORKERS)  # files over one block
         self._push_started = trio.Event()
 
     def start(self, nursery: trio.Nursery) -> None:
         self.requeue()
         nursery.start_soon(self._share_write_clock)
-        for _ in range(REPLICATION_WORKERS):
+        for _ in range(REPLICATION_WORKERS + SMALL_PUSHES):
             nursery.start_soon(self._worker)
 
     def stop(self) -> None:
@@ -179,6 +185,8 @@ class Replicator:
     def sealed(self, node: Inode) -> None:
         if self.replicas > 0:
             self.queue.add(node)
+            if self.members.live() and self.needs_copies(node):
+                self.broadcaster.outbox.copying(node.guid, node.size)
 
     def fsync_waiting(self, node: Inode, waiting: bool) -> None:
         n = self._urgent.get(node.ino, 0) + (1 if waiting else -1)
@@ -190,6 +198,12 @@ class Replicator:
     def urgent(self, node: Inode) -> bool:
         """An fsync waits for this file's copies: its push does not yield."""
         return node.ino in self._urgent
+
+    def _yields(self, node: Inode) -> bool:
+        """Its push pauses while the trainer writes: not when an fsync waits for it, nor
+        for a small file, whose change waits for it (mtcfs.peer.outbox) and whose push
+        costs less than the wait."""
+        return not self.urgent(node) and node.size > COPY_WAIT_BYTES
 
     def busy(self, node: Inode) -> bool:
         return node.ino in self.queue.running
@@ -235,14 +249,18 @@ class Replicator:
             ino, node = next(iter(queue.waiting.items()))
             del queue.waiting[ino]
             if not self.needs_copies(node) or ino in queue.running:
+                self.broadcaster.outbox.copied(node.guid)
                 continue
             queue.running[ino] = node
             try:
-                await self.replicate(node)
+                async with (self._large if node.size > COPY_WAIT_BYTES
+                            else contextlib.nullcontext()):
+                    await self.replicate(node)
             except Exception:  # a bug here must not take the mount down: log, go on
                 log.exception("replicating %s failed", self.ns.path_of(node)
                               if node.linked else node.guid)
             finally:
+                self.broadcaster.outbox.copied(node.guid)
                 queue.running.pop(ino, None)
                 if self.needs_copies(node):
                     self.short[ino] = node
@@ -262,7 +280,8 @@ class Replicator:
                 log.debug("%s: no peer available for another replica", self.ns.path_of(node))
                 return  # requeued when a peer comes alive
             tried.add(target.node_id)
-            await self._drained(target)
+            if len(directories_above(self.ns, node)) > security.MAX_ANCESTRY:
+                await self._drained(target)  # more directories than a push carries
             if not self.needs_copies(node) or node.version != version:
                 continue  # removed (its directory may be gone too) or rewritten meanwhile
             if await self.push(node, target) and node.version == version and node.linked:
@@ -276,8 +295,8 @@ class Replicator:
 
     async def _drained(self, p: Peer) -> None:
         """Wait (bounded) until this host's changes have reached every host: a receiver
-        that does not know a replica's directory yet holds its entry aside until the
-        directory arrives."""
+        that does not know a replica's directory yet (one the push could not carry)
+        holds its entry aside until the directory arrives, and refuses the replica."""
         if p.alive:
             await self.broadcaster.changes_out(DRAIN_WAIT)
 
@@ -286,6 +305,13 @@ class Replicator:
     async def push(self, node: Inode, p: Peer) -> bool:
         """One replica of `node` to `p`: True if `p` holds a verified copy now."""
         entry = self.index.entry_of(node)
+        # Its directories travel with it: the receiver places the file before this
+        # host's batch naming them reaches it (which a small file's change waits in
+        # for this push: mtcfs.peer.outbox).
+        above = [self.index.entry_of(d) for d in
+                 directories_above(self.ns, node)[-security.MAX_ANCESTRY:]]
+        for d in above:
+            d.ClearField("merged_ids")  # (thousands at a large job: the batch brings them)
         path = self.ns.path_of(node)
         t0 = time.monotonic()
         grpc_bytes = self.transfers.grpc_bytes
@@ -293,7 +319,7 @@ class Replicator:
         try:
             code, details, stored = "", "", False
             if self.channel.reaches(p) and entry.block_crcs:
-                code, details, stored = await self._bulk_push(node, p, entry, path)
+                code, details, stored = await self._bulk_push(node, p, entry, above, path)
                 if code == "OK" and stored:
                     self.stats.bulk_replicas_sent += 1
                 elif (code == "UNAVAILABLE" and details.startswith("data channel")
@@ -307,12 +333,12 @@ class Replicator:
                     f"{p.node_id} has no data channel, and peer encryption keeps file "
                     f"bytes off plain gRPC" if not p.data_port else details)
             if not code:
-                code, details, stored = await self._grpc_push(node, p, entry, path)
+                code, details, stored = await self._grpc_push(node, p, entry, above, path)
         finally:
             p.busy -= 1
         return self._pushed(node, p, entry, path, code, details, stored, t0)
 
-    async def _bulk_push(self, node: Inode, p: Peer, entry: pb.Entry,
+    async def _bulk_push(self, node: Inode, p: Peer, entry: pb.Entry, above: list[pb.Entry],
                          path: str) -> tuple[str, str, bool]:
         """The replica over the data channel, from a worker thread (the kernel copies:
         sendfile; per 4 MiB block only a MAC in Python, which releases the GIL)."""
@@ -320,24 +346,25 @@ class Replicator:
             fd = self.ram.open_read(node.ino)
         except FileNotFoundError:
             return "NOT_FOUND", "the file's data is gone here", False
-        urgent = self.urgent(node)
+        yields = self._yields(node)
         yielded = [0.0]
         pin = self.ram.mapped.pin(node.ino)  # sent from a mapping: no shrink meanwhile
 
         def yield_to_writes() -> None:
-            if not urgent:  # an fsync waits for this copy: its writer is blocked
+            if yields:
                 yielded[0] += mover.pause_while_writing(self.clock.last_write,
                                                         mover.MAX_YIELD - yielded[0])
 
         try:
             return await trio.to_thread.run_sync(
-                self.channel.push, p, fd, entry, path, yield_to_writes, pin.mapped,
+                partial(self.channel.push, above=above), p, fd, entry, path, yield_to_writes,
+                pin.mapped,
                 limiter=self.transfers.bulk)
         finally:
             pin.release()
             os.close(fd)
 
-    async def _grpc_push(self, node: Inode, p: Peer, entry: pb.Entry,
+    async def _grpc_push(self, node: Inode, p: Peer, entry: pb.Entry, above: list[pb.Entry],
                          path: str) -> tuple[str, str, bool]:
         """The replica over gRPC, from a worker process (mtcfs.peer.mover)."""
         size = node.size
@@ -348,8 +375,9 @@ class Replicator:
             return await trio.to_thread.run_sync(
                 partial(self._workers.submit(
                     mover.push, p.addr, self.tls, self.members.metadata,
-                    entry.SerializeToString(), path, self.ram.path(node.ino), size,
-                    60 + size / (20 << 20), STALL_TIMEOUT, self.urgent(node)).result),
+                    pb.PushHeader(entry=entry, path=path, above=above).SerializeToString(),
+                    self.ram.path(node.ino), size,
+                    60 + size / (20 << 20), STALL_TIMEOUT, not self._yields(node)).result),
                 limiter=self.transfers.grpc)
         except BrokenProcessPool:
             self._workers.broken()  # a worker died (killed?): a new pool next time

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ MAX_LINKS = 1024  # further names of a hard-linked file
 MAX_MESSAGE = 16 << 20
 MAX_MERGED_IDS = 100_000  # a directory's ids: one per host that made it at once
 MAX_COUNTER = 1 << 62
+MAX_ANCESTRY = 64  # directories a pushed replica carries above its file
 # What the filesystem makes (device nodes are inert: mounts are nodev).
 ENTRY_TYPES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
                stat.S_IFCHR, stat.S_IFBLK)
@@ -134,6 +135,16 @@ def check_path(path: str) -> None:
     for p in path.split("/"):
         if len(p.encode("utf-8", "surrogateescape")) > MAX_NAME:
             raise BadRequest(f"bad path {path[:80]!r}: a name is too long")
+
+
+def check_directories(entries: Sequence[pb.Entry]) -> None:
+    """The directories a pushed replica carries (above its file)."""
+    if len(entries) > MAX_ANCESTRY:
+        raise BadRequest(f"more than {MAX_ANCESTRY} directories above a pushed file")
+    for d in entries:
+        check_entry(d)
+        if d.removed or not stat.S_ISDIR(d.mode):
+            raise BadRequest("what a push carries above its file must be directories")
 
 
 def check_entry(e: pb.Entry) -> None:

@@ -67,7 +67,8 @@ class PeerHandler(Protocol):
     def held(self) -> list[pb.HeldFile]: ...  # trio
     def gone(self, addresses: list[str], reason: str) -> int: ...  # trio
     def begin_receive(self, e: pb.Entry) -> tuple[int, str]: ...  # trio
-    def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool: ...  # trio
+    def finish_receive(self, e: pb.Entry, above: list[pb.Entry], key: int,
+                       tmp: str) -> bool: ...  # trio
     def abort_receive(self, key: int, tmp: str) -> None: ...  # trio
     def yield_to_writes(self, budget: float) -> float: ...
     def open_for_fetch(self, guid: str, version: int) -> tuple[int, int]: ...  # trio
@@ -201,6 +202,7 @@ class GrpcService(pb_grpc.PeerServicer):
                 raise BadRequest("the first message of a push must carry the header")
             header = first.header
             security.check_entry(header.entry)
+            security.check_directories(header.above)
             security.check_path(header.path)
             e = header.entry
             if e.removed or not e.has_crc:
@@ -211,7 +213,7 @@ class GrpcService(pb_grpc.PeerServicer):
         ok = False
         try:
             self._receive(first, request_iterator, e, tmp)
-            ok = self._in_trio(self.handler.finish_receive, e, key, tmp)
+            ok = self._in_trio(self.handler.finish_receive, e, list(header.above), key, tmp)
         except Exception as exc:
             log.warning("replica of %s from %s rejected: %s", header.path, e.writer, exc)
             self._fail(context, exc)

@@ -128,10 +128,11 @@ class PeerService:
             self.events.room_needed(e.size, True)  # persisted data and caches only
         return self.ram.begin_incoming(e.size)
 
-    def finish_receive(self, e: pb.Entry, key: int, tmp: str) -> bool:
-        # Through RemoteChanges like any entry from a peer: a replica may bring its
-        # entry before the index does (a marker that commits a step here too).
-        self.remote.apply([e])
+    def finish_receive(self, e: pb.Entry, above: list[pb.Entry], key: int, tmp: str) -> bool:
+        # Through RemoteChanges like any entry from a peer: a replica brings its entry,
+        # and its directories, before the index does (its writer's change waits for
+        # this copy: mtcfs.peer.outbox).
+        self.remote.apply([*above, e])
         node = self.ns.by_global_id(self.index.resolve(e.id))
         if node is None and self.index.is_pending(e.id):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,

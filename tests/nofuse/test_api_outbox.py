@@ -16,7 +16,16 @@ import pytest
 import trio
 
 from mtcfs.peer import outbox
-from mtcfs.peer.outbox import ANNOUNCE, ANNOUNCE_MOST, DIRECTORY_GATHER, GATHER, GATHER_MOST, Outbox
+from mtcfs.peer.outbox import (
+    ANNOUNCE,
+    ANNOUNCE_MOST,
+    COPY_WAIT_BYTES,
+    COPY_WAIT_MOST,
+    DIRECTORY_GATHER,
+    GATHER,
+    GATHER_MOST,
+    Outbox,
+)
 from mtcfs.peer.v1 import peer_pb2 as pb
 
 from support.inprocess import until
@@ -112,14 +121,49 @@ async def test_a_change_takes_the_persisted_state_from_an_older_announcement() -
     assert (out[2].persisted_version, out[2].generation) == (1, 8)
 
 
+async def test_an_announcement_rides_in_its_files_waiting_change(monkeypatch) -> None:
+    """A small file's change waits for the push of its copies (at most COPY_WAIT_MOST
+    after the first change), and the announcement that a copy landed replaces it:
+    one entry for every host to apply instead of two. A drop, another stamp, or a
+    change gone already: the announcement waits on its own, as before."""
+    now = [100.0]
+    monkeypatch.setattr(outbox.time, "monotonic", lambda: now[0])
+    box = Outbox()
+    sealed = pb.Entry(id="f", lamport=3, writer="a", version=1, holders=["a"],
+                      mode=stat.S_IFREG | 0o644)
+    box.put([sealed, pb.Entry(id="g", lamport=4, writer="a", version=1)])
+    assert box.due == 100.0 + GATHER
+    box.copying("f", 64 << 10)
+    assert box.due == 100.0 + COPY_WAIT_MOST  # its push may take that long on a busy job
+    box.copying("big", 1 << 30)  # (no change of it waits: nothing to wait for)
+    now[0] += 0.01
+    box.announce([pb.Entry(id="f", lamport=3, writer="a", version=1, holders=["a", "b"],
+                           mode=stat.S_IFREG | 0o644)])
+    assert box.count() == 2 and box.folded == 1
+    assert list(box.changes[0].holders) == ["a", "b"]
+    assert box.due == 100.0 + COPY_WAIT_MOST  # (another copy may follow: K > 1)
+    box.copied("f")
+    assert box.due == 100.0 + GATHER
+    box.announce([pb.Entry(id="g", lamport=5, writer="a", version=1, holders=["a", "b"]),
+                  pb.Entry(id="f", lamport=3, writer="a", version=1, dropped=["b"])])
+    assert box.folded == 1 and len(box.announcements) == 2
+    assert list(box.changes[0].holders) == ["a"]  # the drop reached the waiting change
+    assert [e.id for e in box.take(10)] == ["f", "g", "g", "f"]
+    box.put([pb.Entry(id="h", lamport=6, writer="a", version=1)])
+    box.copying("h", COPY_WAIT_BYTES + 1)  # too large to wait for
+    assert box.due == now[0] + GATHER
+
+
 async def test_a_saves_files_and_their_replicas_announcements_share_batches(
         make_host) -> None:
     """8 files closed (no fsync) and replicated to a peer cost a few batches, not one
-    per close and one per replica (that cost every host a call each: 16 a save)."""
+    per close and one per replica (that cost every host a call each: 16 a save); the
+    replicas' announcements ride in the files' own entries."""
     a, b, c = await cluster(make_host, 3)
     a.mkdir("step_1")
     await until(lambda: a.mount.peers.quiet(), what="the directory everywhere")
     sent = a.mount.peers.broadcaster.stats.batches_sent
+    entries = a.mount.peers.broadcaster.stats.entries_sent
     data = os.urandom(64 << 10)
     for k in range(FILES):
         await a.write_file(f"step_1/f{k}", data)
@@ -128,8 +172,10 @@ async def test_a_saves_files_and_their_replicas_announcements_share_batches(
         await until(lambda h=h: all(h.exists(n) and len(holders(h, n)) == 2 for n in names),
                     what="the files and their replicas' holders everywhere")
     await until(lambda: a.mount.peers.quiet(), what="nothing left to send")
-    batches = a.mount.peers.broadcaster.stats.batches_sent - sent
-    assert batches <= 4, batches
+    stats = a.mount.peers.broadcaster.stats
+    assert stats.batches_sent - sent <= 4, stats.batches_sent - sent
+    assert stats.entries_sent - entries < FILES * 3 // 2, stats.entries_sent - entries
+    assert a.mount.peers.index.outbox.folded > FILES // 2
 
 
 async def test_a_commit_sends_waiting_announcements_at_once(make_host) -> None:
@@ -160,6 +206,32 @@ async def test_the_holder_of_a_dead_writers_replica_announces_it_again(make_host
         h.mount.peers.peer_dead(p)
     await until(lambda: holder.mount.opts.node_id in holders(other, "f"),
                 what="the holder's announcement")
+
+
+async def test_the_holder_of_a_dead_writers_replica_announces_it_and_its_directories(
+        make_host) -> None:
+    """A small file's change waits for its copies: the writer may die after its replica
+    landed but before the change (and the new directory above it) left. The replica
+    brought the directories; its holder announces them with the file."""
+    a, b, c = await cluster(make_host, 3)
+    box = a.mount.peers.index.outbox
+    box.put = box.announce = lambda entries: None  # (dies before anything leaves)
+    data = os.urandom(50_000)
+    a.mkdir("step_9")
+    a.mkdir("step_9/shards")
+    await a.write_file("step_9/shards/f", data)
+    await until(lambda: len(holders(a, "step_9/shards/f")) == 2, what="the replica")
+    (holder,) = [h for h in (b, c) if h.mount.opts.node_id in holders(a, "step_9/shards/f")]
+    other = b if holder is c else c
+    assert holder.exists("step_9/shards/f") and not other.exists("step_9")
+    a.mount.stop()
+    for h in (holder, other):  # (as membership tells each)
+        p = h.mount.peers.members.by_node("a")
+        p.alive = False
+        h.mount.peers.peer_dead(p)
+    await until(lambda: other.exists("step_9/shards/f"), what="the holder's announcement")
+    assert holder.mount.opts.node_id in holders(other, "step_9/shards/f")
+    assert await other.read_file("step_9/shards/f") == data
 
 
 async def test_entries_left_without_a_wake_leave_and_are_counted(make_host,

@@ -34,12 +34,13 @@ def refused(code: grpc.StatusCode, fn, *args) -> str:
     return str(e.value)
 
 
-def receive(service, e: pb.Entry, data: bytes) -> bool:
-    """A replica of `e` with these bytes, received as the data channel receives one."""
+def receive(service, e: pb.Entry, data: bytes, above: list[pb.Entry] = ()) -> bool:
+    """A replica of `e` with these bytes (and the directories it carries), received as
+    the data channel receives one."""
     key, tmp = service.begin_receive(e)
     with open(tmp, "r+b") as f:
         f.write(data)
-    return service.finish_receive(e, key, tmp)
+    return service.finish_receive(e, list(above), key, tmp)
 
 
 async def one_host(make_host) -> Host:
@@ -101,10 +102,28 @@ async def test_a_replica_whose_directory_has_not_arrived_is_refused_for_now(make
     service = a.mount.peers.service
     key, tmp = service.begin_receive(e)
     try:
-        msg = refused(grpc.StatusCode.FAILED_PRECONDITION, service.finish_receive, e, key, tmp)
+        msg = refused(grpc.StatusCode.FAILED_PRECONDITION, service.finish_receive, e, [], key, tmp)
     finally:
         service.abort_receive(key, tmp)
     assert "directory" in msg and a.mount.peers.index.is_pending(UNKNOWN)
+
+
+async def test_a_replica_brings_its_directories_before_its_writers_batch(make_host) -> None:
+    a = await one_host(make_host)
+    step = pb.Entry(id="d" * 32, parent=ROOT_GUID, name=b"step_1", mode=0o040755,
+                    lamport=4, writer="b")
+    shard = pb.Entry(id="e" * 32, parent=step.id, name=b"shard", mode=0o040755,
+                     lamport=5, writer="b")
+    data = b"data"
+    e = pb.Entry(id=UNKNOWN, parent=shard.id, name=b"f", mode=0o100644, size=len(data),
+                 has_crc=True, crc32c=google_crc32c.value(data), version=1,
+                 block_size=4 << 20, block_crcs=google_crc32c.value(data).to_bytes(4, "little"),
+                 lamport=6, writer="b", author="b", holders=["b"])
+    assert receive(a.mount.peers.service, e, data, above=[step, shard])
+    node = a.node("step_1/shard/f")
+    assert node.has_data and node.guid == UNKNOWN
+    assert not a.mount.peers.index.is_pending(UNKNOWN)
+    assert await a.read_file("step_1/shard/f") == data
 
 
 async def test_a_replica_of_a_version_that_changed_here_is_refused(make_host) -> None:
@@ -115,7 +134,7 @@ async def test_a_replica_of_a_version_that_changed_here_is_refused(make_host) ->
     service = a.mount.peers.service
     key, tmp = service.begin_receive(e)
     try:
-        msg = refused(grpc.StatusCode.FAILED_PRECONDITION, service.finish_receive, e, key, tmp)
+        msg = refused(grpc.StatusCode.FAILED_PRECONDITION, service.finish_receive, e, [], key, tmp)
     finally:
         service.abort_receive(key, tmp)
     assert "changed" in msg and not a.node("f").has_data

@@ -36,7 +36,7 @@ async def pair(make_host, **cli) -> tuple[Host, Host]:
 
 
 async def test_a_commit_is_on_the_other_host_when_it_returns(make_host) -> None:
-    a, b = await pair(make_host)
+    a, b = await pair(make_host, replicas=0)  # (b holds no replica: it reads from a)
     data = os.urandom(700_000)
     a.makedirs("step_1")
     await a.write_file("step_1/shard", data, fsync=True)  # fsync: visible everywhere

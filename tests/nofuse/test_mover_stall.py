@@ -40,8 +40,9 @@ def test_a_push_to_a_peer_that_takes_no_data_fails_as_a_stall(tmp_path) -> None:
     try:
         t0 = time.monotonic()
         code, details, stored = mover.push(
-            f"127.0.0.1:{port}", None, (), pb.Entry(id="f" * 32, size=size).SerializeToString(),
-            "f", str(data), size, timeout=60, stall=1.0, urgent=True)
+            f"127.0.0.1:{port}", None, (),
+            pb.PushHeader(entry=pb.Entry(id="f" * 32, size=size), path="f").SerializeToString(),
+            str(data), size, timeout=60, stall=1.0, urgent=True)
         assert (code, stored) == ("DEADLINE_EXCEEDED", False), (code, details)
         assert "took no data" in details
         assert time.monotonic() - t0 < 10

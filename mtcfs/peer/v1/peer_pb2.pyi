@@ -179,12 +179,14 @@ class SnapshotRequest(_message.Message):
     def __init__(self, from_node: _Optional[str] = ..., listen: _Optional[str] = ..., since_s: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("entry", "path")
+    __slots__ = ("entry", "path", "above")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ABOVE_FIELD_NUMBER: _ClassVar[int]
     entry: Entry
     path: str
-    def __init__(self, entry: _Optional[_Union[Entry, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
+    above: _containers.RepeatedCompositeFieldContainer[Entry]
+    def __init__(self, entry: _Optional[_Union[Entry, _Mapping]] = ..., path: _Optional[str] = ..., above: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
