@@ -58,7 +58,8 @@ class Hosts:
 
 
 def test_groups_are_about_the_square_root_of_the_hosts_from_64_on() -> None:
-    assert group_size(63) == 1 and group_size(64) == 8 and group_size(10_000) == 100
+    assert group_size(63) == 1 and group_size(64) == 16 and group_size(10_000) == 100
+    assert group_size(255) == 16 and group_size(300) == 17
     assert group_size(5, 3) == 3 and group_size(10_000, 1) == 1
 
 

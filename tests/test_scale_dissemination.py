@@ -372,7 +372,7 @@ def test_a_step_on_100_hosts_goes_down_one_tree_per_group_and_survives_dead_lead
     Then again with two leaders killed as they gather their groups' batches: their
     members' batches go down trees of their own once the leaders are found dead,
     and every live host still has every live host's batch."""
-    net = simnet.cluster(100, seed=5, loss=0.001)
+    net = simnet.cluster(100, seed=5, loss=0.001, group=10)  # (auto: 16, MIN_GROUP)
     net.loop.run_until(2.0)
     hosts = list(net.hosts.values())
     assert {h.tree.status()["group"] for h in hosts} == {10}
@@ -411,7 +411,7 @@ def test_with_the_lead_turning_no_host_carries_more_than_its_share(turn: float) 
     messages a save more than a member. With a fixed leader (--peer-group-turn 0)
     the same 8 hosts send that every save; turning every 10 s, each host leads
     about one save in eight, and no host sends much more than the median."""
-    net = simnet.cluster(64, seed=5, group_turn=turn)
+    net = simnet.cluster(64, seed=5, group=8, group_turn=turn)  # (auto: 16, MIN_GROUP)
     net.loop.run_until(2.0)
     hosts = list(net.hosts.values())
     sent0 = {h.node: h.sent.messages for h in hosts}

@@ -62,8 +62,8 @@ from mtcfs.config import (
               help="bulk data connections per peer (0: file bytes over gRPC)  [default: 4]")
 @click.option("--peer-group", type=int, metavar="N",
               help="hosts per group whose leader carries the group's index changes "
-                   "down one tree (0: automatic, about the square root of the hosts from "
-                   "64 on; 1: every host its own tree)  [default: 0]")
+                   "down one tree (0: automatic, about the square root of the hosts, 16 at "
+                   "least, from 64 on; 1: every host its own tree)  [default: 0]")
 @click.option("--peer-group-turn", type=float, metavar="SECONDS",
               help="another host of each group leads every SECONDS, by the wall clock the "
                    "hosts share (0: the group's first live host, always)  [default: 10]")
