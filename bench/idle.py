@@ -102,7 +102,14 @@ def _arg(m: Mount, flag: str) -> str:
 
 
 def _status(m: Mount) -> dict:
-    return control.request(str(m.path), "status")["status"]
+    try:
+        return control.request(str(m.path), "status")["status"]
+    except control.ControlError as e:
+        # A daemon gone in the middle of a run: say why, from its log (removed with
+        # its RAM dir at the end).
+        log = m.ram_dir / "mtcfs.log"
+        tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else []
+        raise RuntimeError(f"{e}; its log ends:\n" + "\n".join(tail)) from None
 
 
 def alive_peers(m: Mount) -> int:
