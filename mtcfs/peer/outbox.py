@@ -39,11 +39,11 @@ ANNOUNCE = 2.0
 ANNOUNCE_MOST = 5.0
 # A sealed file this small (one block of the data channel) waits (up to
 # COPY_WAIT_MOST after the first change: a push takes a second on a busy job) for
-# the push of its copies, whose announcement then rides
-# in its own entry: one entry per file for every host to apply instead of two, and
-# one tree a save instead of two. Its push takes milliseconds and does not yield to
-# the trainer's writes (mtcfs.peer.replicator). A larger file's push takes longer
-# than its change should wait: its announcement goes on its own.
+# the push of its copies, whose announcement then rides in its own entry: one entry
+# per file for every host to apply instead of two, and one tree a save instead of
+# two. Its push takes milliseconds and does not yield to the trainer's writes
+# (mtcfs.peer.replicator). A larger file's push takes longer than its change should
+# wait: its announcement goes on its own.
 COPY_WAIT_BYTES = 4 << 20
 COPY_WAIT_MOST = 1.5
 
@@ -166,8 +166,7 @@ class Outbox:
             self.announcements = self.announcements[more:]
         if not self.changes:
             self._changes_first = self._changes_due = math.inf
-            self._copying.clear()
-        elif self._copying:
+        if self._copying:  # (it holds only the ids of waiting changes)
             self._copying.difference_update(e.id for e in part)
         if not self.announcements:
             self._announce_due = math.inf
