@@ -280,8 +280,12 @@ class Replicator:
                 log.debug("%s: no peer available for another replica", self.ns.path_of(node))
                 return  # requeued when a peer comes alive
             tried.add(target.node_id)
-            if len(directories_above(self.ns, node)) > security.MAX_ANCESTRY:
-                await self._drained(target)  # more directories than a push carries
+            if (node.size > COPY_WAIT_BYTES
+                    or len(directories_above(self.ns, node)) > security.MAX_ANCESTRY):
+                # Its change does not wait for this push (a large file), or it has
+                # more directories than a push carries: the receiver learns of it
+                # first, as every host does.
+                await self._drained(target)
             if not self.needs_copies(node) or node.version != version:
                 continue  # removed (its directory may be gone too) or rewritten meanwhile
             if await self.push(node, target) and node.version == version and node.linked:
@@ -296,7 +300,9 @@ class Replicator:
     async def _drained(self, p: Peer) -> None:
         """Wait (bounded) until this host's changes have reached every host: a receiver
         that does not know a replica's directory yet (one the push could not carry)
-        holds its entry aside until the directory arrives, and refuses the replica."""
+        holds its entry aside until the directory arrives, and refuses the replica; and
+        a writer killed part-way through a large push leaves the receiver knowing the
+        file, with no copy of it."""
         if p.alive:
             await self.broadcaster.changes_out(DRAIN_WAIT)
 
